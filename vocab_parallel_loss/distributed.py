@@ -1,0 +1,116 @@
+"""Everything that talks to the tensor-parallel (TP) group lives here.
+
+The losses only need a few collectives:
+
+* ``gather_stats``: one all-gather of the packed per-row statistics (forward of every loss);
+* ``all_reduce_sum``: the hidden-state gradient of the fused linear loss;
+* ``gather_along_first_dim`` / ``reduce_scatter_along_first_dim``: sequence parallelism.
+
+``group=None`` always means "no tensor parallelism": a single shard, no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = Optional["dist.ProcessGroup"]
+
+
+def world_size(group: ProcessGroup) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank(group: ProcessGroup) -> int:
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_checked_shards: set = set()
+
+
+def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.device) -> None:
+    """Raise ``ValueError`` unless every rank of ``group`` holds ``local_size`` vocabulary columns.
+
+    Unequal shards would silently give a wrong global vocabulary offset. The check costs one tiny
+    all-gather and a host read, so it runs once per (group, size) and never while a CUDA graph is
+    being captured (a capture must be preceded by an eager warm-up step, which runs it).
+    """
+    n = world_size(group)
+    if n == 1:
+        return
+    key = (id(group), local_size)
+    if key in _checked_shards or _capturing() or _compiling():
+        return
+    mine = torch.tensor([local_size], dtype=torch.int64, device=device)
+    sizes = torch.empty(n, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(sizes, mine, group=group)
+    sizes = sizes.tolist()
+    if any(s != local_size for s in sizes):
+        raise ValueError(
+            f"vocab shards differ across the tensor-parallel group: sizes per rank {sizes}; "
+            "every rank must hold the same number of vocabulary columns (pad the vocabulary)"
+        )
+    _checked_shards.add(key)
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except AttributeError:  # pragma: no cover - old torch
+        return False
+
+
+def gather_stats(stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather ``stats`` of shape ``(K, N)`` into ``(world, K, N)`` (rank order).
+
+    One collective per forward: its latency, not its size (``K * N`` floats), is what costs.
+    """
+    n = world_size(group)
+    if n == 1:
+        return stats.unsqueeze(0)
+    out = torch.empty((n,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
+    dist.all_gather_into_tensor(out, stats.contiguous(), group=group)
+    return out
+
+
+def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """In-place sum over the group; returns ``tensor``."""
+    if world_size(group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+def gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (sequence-parallel gather)."""
+    n = world_size(group)
+    if n == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    out = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
+    dist.all_gather_into_tensor(out, tensor, group=group)
+    return out
+
+
+def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """Sum over the group, each rank keeping its slice of dim 0 (sequence-parallel scatter)."""
+    n = world_size(group)
+    if n == 1:
+        return tensor
+    if tensor.shape[0] % n:
+        raise ValueError(f"dim 0 ({tensor.shape[0]}) is not divisible by the group size ({n})")
+    tensor = tensor.contiguous()
+    out = torch.empty((tensor.shape[0] // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                      device=tensor.device)
+    dist.reduce_scatter_tensor(out, tensor, op=dist.ReduceOp.SUM, group=group)
+    return out
