@@ -1,0 +1,181 @@
+"""Autograd wiring and the functional API of the vocab-parallel cross entropy over logits.
+
+Forward (per rank): one pass over the local shard gives per-row statistics; with tensor
+parallelism one all-gather of those (4 x N floats) and a merge give the full-vocabulary loss and
+lse on every rank. Saved for backward: the logits reference, the flat targets and the lse (O(N)).
+Backward: no communication; one pass recomputes the softmax from the saved lse and writes the
+gradient, rounded once to the logits dtype, into a new tensor or over the logits.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Optional
+
+import torch
+
+from . import _checks, distributed, reference
+from ._layout import RowView, like_rows, row_view
+
+try:  # Triton is optional at import time: the PyTorch path covers its absence
+    from .kernels import cross_entropy as _triton_kernels
+except Exception:  # pragma: no cover - depends on the platform
+    _triton_kernels = None
+
+
+def _backend(t: torch.Tensor):
+    """Triton on CUDA (and on CPU under TRITON_INTERPRET=1), PyTorch otherwise."""
+    if _triton_kernels is not None:
+        if t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
+            return _triton_kernels
+    return reference
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, smoothing, z_loss, reduction,
+                inplace_backward):
+        view = row_view(logits)
+        t = target.reshape(-1)
+        n, v_local = t.numel(), view.vocab
+        world, rank = distributed.world_size(group), distributed.rank(group)
+        opts = dict(vocab_size=v_local * world, ignore_index=ignore_index, smoothing=smoothing,
+                    z_loss=z_loss)
+        backend = _backend(logits)
+        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+        if n > 0:
+            if world == 1:
+                backend.forward(view, t, vocab_start=0, loss=loss, lse=lse, **opts)
+            else:
+                stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
+                backend.forward(view, t, vocab_start=rank * v_local, stats=stats, **opts)
+                gathered = distributed.gather_stats(stats, group)
+                backend.merge(gathered, t, loss, lse, **opts)
+
+        count = (t != ignore_index).sum() if reduction == "mean" else None
+        # view.tensor is the logits themselves except for layouts that needed a copy
+        ctx.save_for_backward(view.tensor, t, lse, count)
+        ctx.rows = (view.D1, view.s0, view.s1)
+        ctx.opts = dict(opts, vocab_start=rank * v_local)
+        ctx.inplace_backward = inplace_backward
+        ctx.backend = backend
+
+        if reduction == "none":
+            return loss.view(target.shape)
+        total = loss.sum()
+        return total / count.clamp(min=1) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, dloss):
+        logits, t, lse, count = ctx.saved_tensors
+        view = RowView(logits, *ctx.rows)
+        if t.numel() == 0:
+            return torch.zeros_like(logits), None, None, None, None, None, None, None
+        dloss = dloss.reshape(-1) if dloss.dim() else dloss
+        dview = view if ctx.inplace_backward else like_rows(view)
+        ctx.backend.backward(view, dview, t, lse, dloss, count, **ctx.opts)
+        if dview is view:
+            # the logits now hold their gradient: make any later use of them fail loudly
+            torch.autograd.graph.increment_version(logits)
+        return dview.tensor, None, None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group=None,
+    label_smoothing: float = 0.0,
+    ignore_index: int = -100,
+    reduction: str = "none",
+    z_loss: float = 0.0,
+    inplace_backward: bool = False,
+    check_targets: Optional[bool] = None,
+) -> torch.Tensor:
+    """Full-vocabulary cross entropy from this rank's vocabulary shard ``logits[..., V_local]``.
+
+    Rank ``r`` of ``tp_group`` holds columns ``[r * V_local, (r + 1) * V_local)``; every rank
+    returns the same fp32 loss. ``reduction`` is ``"none"`` (shape of ``target``), ``"mean"``
+    (over non-ignored tokens; 0 when there are none) or ``"sum"``. ``z_loss`` adds
+    ``z_loss * lse**2`` per token. A target outside the vocabulary that is not ``ignore_index``
+    gives a NaN loss for that token (``check_targets=True`` or the environment variable
+    ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1`` raises instead, at the cost of a host sync).
+    """
+    _checks.check_float("logits", logits)
+    _checks.check_target_dtype(target)
+    _checks.check_smoothing(label_smoothing)
+    _checks.check_reduction(reduction)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(logits.shape)}")
+    _checks.check_leading_shape("leading dims of logits", logits.shape[:-1], target)
+    _checks.check_same_device(logits=logits, target=target)
+    if float(z_loss) < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    v_local = logits.shape[-1]
+    distributed.check_equal_shards(v_local, tp_group, logits.device)
+    if _checks.targets_check_requested(check_targets):
+        _checks.check_target_range(target, v_local * distributed.world_size(tp_group), ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, int(ignore_index),
+                                            float(label_smoothing), float(z_loss), reduction,
+                                            bool(inplace_backward))
+
+
+def parallel_cross_entropy(
+    inp: Optional[torch.Tensor] = None,
+    target: Optional[torch.Tensor] = None,
+    label_smoothing: float = 0.0,
+    reduce_loss: bool = False,
+    dist_process_group=None,
+    ignore_idx: int = -100,
+    is_cg_capturable: bool = False,
+    *,
+    _input: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Drop-in for TransformerEngine's ``parallel_cross_entropy``.
+
+    ``inp`` is ``(B, SQ, V_local)`` or ``(SQ, B, V_local)`` (any strides), ``target`` has the same
+    two leading dims. Returns the fp32 per-token loss shaped like ``target``, or with
+    ``reduce_loss=True`` its mean over non-ignored tokens. ``is_cg_capturable`` is accepted for
+    compatibility: this implementation never synchronises with the host, so it is always
+    capturable. ``_input`` is the deprecated name of ``inp``.
+    """
+    del is_cg_capturable  # always capturable
+    if _input is not None:
+        warnings.warn("`_input` is deprecated; pass the logits as `inp`", FutureWarning,
+                      stacklevel=2)
+        if inp is not None:
+            raise ValueError("pass the logits as `inp` or as the deprecated `_input`, not both")
+        inp = _input
+    if inp is None or target is None:
+        raise ValueError("parallel_cross_entropy needs `inp` and `target`")
+    return cross_entropy(inp, target, tp_group=dist_process_group,
+                         label_smoothing=label_smoothing, ignore_index=ignore_idx,
+                         reduction="mean" if reduce_loss else "none")
+
+
+def _megatron_tp_group():
+    """Megatron's tensor-parallel group when megatron-core is initialised, else None."""
+    try:
+        from megatron.core import parallel_state
+    except Exception:
+        return None
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
+                                 label_smoothing: float = 0.0, *, tp_group=None) -> torch.Tensor:
+    """Drop-in for ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``.
+
+    Per-token fp32 loss with the target's shape. ``tp_group=None`` uses megatron-core's tensor
+    model parallel group when it is initialised (as Megatron does), else no parallelism.
+    Differences from megatron-core: label smoothing is exact (PyTorch's convention over the
+    global vocabulary; Megatron uses the local vocabulary size), targets equal to -100 are
+    ignored (loss 0), and the caller's logits are never modified.
+    """
+    group = tp_group if tp_group is not None else _megatron_tp_group()
+    return cross_entropy(vocab_parallel_logits, target, tp_group=group,
+                         label_smoothing=label_smoothing)

@@ -1,0 +1,223 @@
+"""Triton kernels of the vocab-parallel cross entropy over materialized logits.
+
+Nothing here knows about autograd or the TP group: each launcher takes a logits tensor viewed as
+rows (see ``RowView``), plain numbers, and output buffers.
+
+Row addressing. Logits are ``(..., V_local)`` with unit stride in the vocabulary; the leading
+dims are collapsed by the caller into at most two levels ``(D0, D1)`` with strides ``(s0, s1)``,
+so row ``n`` starts at ``(n // D1) * s0 + (n % D1) * s1``. That covers contiguous tensors,
+Megatron's ``[s, b, v]`` transposed views and narrowed views without a copy. Offsets are 64-bit
+(N x V above 2^31 elements is common at 256K vocabularies).
+
+Numerics. All arithmetic is fp32 whatever the logits dtype; the exponentials use ``exp2`` on
+pre-scaled values. The forward keeps a scalar running max and a ``[BLOCK]``-wide running sum, so
+each element costs one ``exp2`` (a vector running max would cost two, and two per element is at
+the H200's special-function throughput limit for bf16 at full HBM bandwidth).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _row_start(row, D1, s0, s1):
+    r = row.to(tl.int64)
+    return (r // D1) * s0 + (r % D1) * s1
+
+
+@triton.jit
+def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0)."""
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([], float("-inf"), tl.float32)
+    s_vec = tl.zeros([BLOCK], tl.float32)
+    sum_vec = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V_local, BLOCK):
+        idx = start + cols
+        mask = idx < V_local
+        x = tl.load(x_row + idx, mask=mask, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, 0))
+        # a row (so far) of -inf keeps m_new = -inf: shift by 0 instead to avoid (-inf) - (-inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_vec = s_vec * tl.exp2((m - m_safe) * 1.4426950408889634) \
+            + tl.exp2((x - m_safe) * 1.4426950408889634)
+        m = m_new
+        if HAS_SMOOTHING:
+            sum_vec += tl.where(mask, x, 0.0)
+    s = tl.sum(s_vec, 0)
+    # NaN anywhere in the row: tl.max may drop it, the sum does not; make the max agree
+    m = tl.where(s != s, s, m)
+    in_shard = (t_local >= 0) & (t_local < V_local)
+    # masked scalar load: a target outside this shard (or outside the vocabulary) is never read
+    x_t = tl.load(x_row + tl.where(in_shard, t_local, 0), mask=in_shard, other=0.0).to(tl.float32)
+    x_t = tl.where(in_shard, x_t, 0.0)
+    if HAS_SMOOTHING:
+        sum_x = tl.sum(sum_vec, 0)
+    else:
+        sum_x = 0.0
+    return m, s, x_t, sum_x
+
+
+@triton.jit
+def _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing, z_loss,
+                     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr):
+    """Per-token loss and the lse saved for backward (NaN for an out-of-range target)."""
+    loss = lse - x_t
+    if HAS_SMOOTHING:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_x / V_global)
+    if HAS_Z:
+        loss += z_loss * lse * lse
+    ignored = t == ignore_index
+    bad = (~ignored) & ((t < 0) | (t >= V_global))
+    loss = tl.where(bad, float("nan"), loss)
+    loss = tl.where(ignored, 0.0, loss)
+    lse = tl.where(bad, float("nan"), lse)
+    return loss, lse
+
+
+@triton.jit
+def _ce_forward_kernel(
+    x_ptr, tgt_ptr, stats_ptr, loss_ptr, lse_ptr,
+    N, V_local, D1, s0, s1, tgt_stride,
+    vocab_start, V_global, ignore_index, smoothing, z_loss,
+    FINALIZE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + _row_start(row, D1, s0, s1)
+    t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
+    m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK)
+    if FINALIZE:
+        # one shard holds the whole vocabulary: the loss comes straight out
+        lse = m + tl.log2(s) * 0.6931471805599453
+        loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
+                                     z_loss, HAS_SMOOTHING, HAS_Z)
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
+    else:
+        # stats layout (4, N): max, sum-exp, target logit, sum of logits
+        tl.store(stats_ptr + row, m)
+        tl.store(stats_ptr + N + row, s)
+        tl.store(stats_ptr + 2 * N + row, x_t)
+        tl.store(stats_ptr + 3 * N + row, sum_x)
+
+
+@triton.jit
+def _ce_merge_kernel(
+    stats_ptr, tgt_ptr, loss_ptr, lse_ptr,
+    N, WORLD, tgt_stride, V_global, ignore_index, smoothing, z_loss,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """Merge the all-gathered (WORLD, 4, N) stats into the full-vocabulary loss."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ranks = tl.arange(0, BLOCK_W)
+    row_ok = rows < N
+    mask = (ranks[:, None] < WORLD) & row_ok[None, :]
+    base = stats_ptr + ranks[:, None].to(tl.int64) * (4 * N) + rows[None, :]
+    m_r = tl.load(base, mask=mask, other=float("-inf"))
+    s_r = tl.load(base + N, mask=mask, other=0.0)
+    x_t = tl.sum(tl.load(base + 2 * N, mask=mask, other=0.0), 0)
+    sum_x = tl.sum(tl.load(base + 3 * N, mask=mask, other=0.0), 0)
+    m = tl.max(m_r, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    s = tl.sum(s_r * tl.exp2((m_r - m_safe[None, :]) * 1.4426950408889634), 0)
+    m = tl.where(s != s, s, m)
+    lse = m + tl.log2(s) * 0.6931471805599453
+    t = tl.load(tgt_ptr + rows.to(tl.int64) * tgt_stride, mask=row_ok, other=0).to(tl.int64)
+    loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing, z_loss,
+                                 HAS_SMOOTHING, HAS_Z)
+    tl.store(loss_ptr + rows, loss, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)
+
+
+@triton.jit
+def _ce_backward_kernel(
+    x_ptr, dx_ptr, tgt_ptr, lse_ptr, dloss_ptr, count_ptr,
+    V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
+    vocab_start, V_global, ignore_index, smoothing, z_loss,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once."""
+    row = tl.program_id(0)
+    x_row = x_ptr + _row_start(row, D1, s0, s1)
+    dx_row = dx_ptr + _row_start(row, D1, d0, d1)
+    t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
+    valid = t != ignore_index
+    g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
+    if MEAN:
+        g = g / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+    lse = tl.load(lse_ptr + row)
+    lse = tl.where(valid, lse, 0.0)
+    coef = g
+    if HAS_Z:
+        coef = g * (1.0 + 2.0 * z_loss * lse)
+    target_coef = g * (1.0 - smoothing)
+    uniform = g * smoothing / V_global
+    t_local = t - vocab_start
+    lse2 = lse * 1.4426950408889634
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V_local, BLOCK):
+        idx = start + cols
+        mask = idx < V_local
+        x = tl.load(x_row + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp2(x * 1.4426950408889634 - lse2)
+        dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
+        if HAS_SMOOTHING:
+            dx -= uniform
+        dx = tl.where(valid, dx, 0.0)
+        tl.store(dx_row + idx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _block(v_local: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(v_local)))
+
+
+def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z_loss,
+            stats=None, loss=None, lse=None):
+    """Per-row statistics into ``stats`` (4, N), or, when ``stats`` is None, loss and lse directly.
+
+    ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets.
+    """
+    n, v_local = target.numel(), view.vocab
+    finalize = stats is None
+    _ce_forward_kernel[(n,)](
+        view.tensor, target, loss if finalize else stats, loss, lse,
+        n, v_local, view.D1, view.s0, view.s1, target.stride(0),
+        vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
+        FINALIZE=finalize, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
+        BLOCK=_block(v_local, 2048), num_warps=8,
+    )
+
+
+def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z_loss):
+    world, _, n = gathered.shape
+    block_n = 128
+    _ce_merge_kernel[(triton.cdiv(n, block_n),)](
+        gathered, target, loss, lse, n, world, target.stride(0), vocab_size, ignore_index,
+        float(smoothing), float(z_loss), HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
+        BLOCK_N=block_n, BLOCK_W=max(2, triton.next_power_of_2(world)), num_warps=4,
+    )
+
+
+def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size, ignore_index,
+             smoothing, z_loss):
+    """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
+
+    ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
+    ``count`` (a device scalar) divides it for a mean reduction, or is None.
+    """
+    n, v_local = target.numel(), view.vocab
+    _ce_backward_kernel[(n,)](
+        view.tensor, dview.tensor, target, lse, dloss, count if count is not None else lse,
+        v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), dloss.stride(0) if dloss.dim() else 0,
+        vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
+        MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
+        BLOCK=_block(v_local, 4096), num_warps=16 if v_local >= 4096 else 4,
+    )

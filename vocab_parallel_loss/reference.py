@@ -1,0 +1,116 @@
+"""Pure-PyTorch implementation with the kernels' exact semantics.
+
+Used for CPU tensors when ``TRITON_INTERPRET`` is not set and wherever Triton is missing. The
+functions mirror ``kernels/cross_entropy.py`` one for one (same arguments, same outputs), so the
+autograd layer does not care which one runs. Rows are processed in chunks so that at most
+``_CHUNK_ELEMENTS`` fp32 logits exist at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _blocks(view):
+    """Yield ``(lo, hi, block)``: rows ``lo:hi`` as a ``(D0', D1', V)`` view of the logits.
+
+    Whole ``D0`` slices are taken at a time (or runs of rows when ``D0 == 1``), so every block
+    is a strided view of the caller's tensor, also for in-place writes.
+    """
+    x3 = view.as3d()
+    d0, d1, v = x3.shape
+    if d0 == 1:
+        step = max(1, _CHUNK_ELEMENTS // max(1, v))
+        for lo in range(0, d1, step):
+            hi = min(d1, lo + step)
+            yield lo, hi, x3[:, lo:hi]
+    else:
+        step = max(1, _CHUNK_ELEMENTS // max(1, v * d1))
+        for lo in range(0, d0, step):
+            hi = min(d0, lo + step)
+            yield lo * d1, hi * d1, x3[lo:hi]
+
+
+def _loss_from_stats(t, lse, x_t, sum_x, vocab_size, ignore_index, smoothing, z_loss):
+    loss = lse - x_t
+    if smoothing > 0:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_x / vocab_size)
+    if z_loss != 0:
+        loss = loss + z_loss * lse * lse
+    ignored = t == ignore_index
+    bad = ~ignored & ((t < 0) | (t >= vocab_size))
+    nan = torch.full_like(loss, float("nan"))
+    loss = torch.where(bad, nan, loss)
+    loss = torch.where(ignored, torch.zeros_like(loss), loss)
+    lse = torch.where(bad, nan, lse)
+    return loss, lse
+
+
+def _local_stats(rows, t, vocab_start, smoothing):
+    x = rows.float()
+    m = x.amax(dim=-1)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    s = torch.exp(x - m_safe[:, None]).sum(dim=-1)
+    m = torch.where(torch.isnan(s), s, m)
+    t_local = t - vocab_start
+    in_shard = (t_local >= 0) & (t_local < x.shape[-1])
+    idx = torch.where(in_shard, t_local, torch.zeros_like(t_local))
+    x_t = torch.where(in_shard, x.gather(1, idx[:, None])[:, 0], torch.zeros_like(m))
+    sum_x = x.sum(dim=-1) if smoothing > 0 else torch.zeros_like(m)
+    return m, s, x_t, sum_x
+
+
+def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z_loss,
+            stats=None, loss=None, lse=None):
+    """Same contract as ``kernels.cross_entropy.forward``."""
+    t = target.long()
+    for lo, hi, block in _blocks(view):
+        rows = block.reshape(-1, block.shape[-1])
+        m, s, x_t, sum_x = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
+        if stats is None:
+            l, e = _loss_from_stats(t[lo:hi], m + torch.log(s), x_t, sum_x, vocab_size,
+                                    ignore_index, smoothing, z_loss)
+            loss[lo:hi], lse[lo:hi] = l, e
+        else:
+            stats[:, lo:hi] = torch.stack([m, s, x_t, sum_x])
+
+
+def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z_loss):
+    m_r, s_r, x_t, sum_x = gathered.unbind(1)
+    m = m_r.amax(dim=0)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    s = (s_r * torch.exp(m_r - m_safe)).sum(dim=0)
+    m = torch.where(torch.isnan(s), s, m)
+    l, e = _loss_from_stats(target.long(), m + torch.log(s), x_t.sum(0), sum_x.sum(0), vocab_size,
+                            ignore_index, smoothing, z_loss)
+    loss.copy_(l)
+    lse.copy_(e)
+
+
+def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size, ignore_index,
+             smoothing, z_loss):
+    """Same contract as ``kernels.cross_entropy.backward``."""
+    n, v = target.numel(), view.vocab
+    t = target.long()
+    g = dloss.float().expand(n) if dloss.dim() == 0 else dloss.float()
+    if count is not None:
+        g = g / count.clamp(min=1).float()
+    valid = t != ignore_index
+    g = torch.where(valid, g, torch.zeros_like(g))
+    lse = torch.where(valid, lse, torch.zeros_like(lse))
+    cols = torch.arange(v, device=lse.device)
+    dblocks = _blocks(dview)
+    for lo, hi, block in _blocks(view):
+        dblock = next(dblocks)[2]
+        x = block.reshape(-1, v).float()
+        gc, lc = g[lo:hi, None], lse[lo:hi, None]
+        coef = gc * (1.0 + 2.0 * z_loss * lc) if z_loss != 0 else gc
+        dx = coef * torch.exp(x - lc)
+        onehot = cols[None, :] == (t[lo:hi, None] - vocab_start)
+        dx = dx - torch.where(onehot, gc * (1.0 - smoothing), torch.zeros_like(dx))
+        if smoothing > 0:
+            dx = dx - gc * (smoothing / vocab_size)
+        dx = torch.where(valid[lo:hi, None], dx, torch.zeros_like(dx))
+        dblock.copy_(dx.view(dblock.shape))
