@@ -78,9 +78,11 @@ def gather_stats(stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = world_size(group)
     if n == 1:
         return stats.unsqueeze(0)
-    out = torch.empty((n,) + tuple(stats.shape), dtype=stats.dtype, device=stats.device)
+    k, rows = stats.shape
+    # concatenated along dim 0 (the layout every backend accepts, gloo included), then split
+    out = torch.empty((n * k, rows), dtype=stats.dtype, device=stats.device)
     dist.all_gather_into_tensor(out, stats.contiguous(), group=group)
-    return out
+    return out.view(n, k, rows)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

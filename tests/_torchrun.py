@@ -1,0 +1,25 @@
+"""Launch a worker script under ``torchrun`` (gloo on CPU) from a pytest test."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_torchrun(script, nproc: int, *args: str, timeout: float = 900) -> str:
+    """Run ``script`` on ``nproc`` ranks; fail the test with the workers' output on error."""
+    env = dict(os.environ)
+    env.setdefault("TRITON_INTERPRET", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} x{nproc} failed ({proc.returncode}):\n{out[-8000:]}")
+    return out

@@ -1,0 +1,125 @@
+"""torchrun worker: every API on vocabulary shards vs the full-vocabulary fp64 reference.
+
+Each rank builds the same full logits (fixed seed), keeps its shard of columns and checks that
+its loss equals the full-vocabulary loss, is bitwise the same on every rank, and that its
+gradient equals its slice of the full gradient. Exits non-zero on the first mismatch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
+from vocab_parallel_loss import (VocabParallelCrossEntropy, parallel_cross_entropy, reference,
+                                 vocab_parallel_cross_entropy)
+
+ce_mod = importlib.import_module("vocab_parallel_loss.cross_entropy")
+
+
+def same_on_every_rank(t: torch.Tensor, group) -> None:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, t.contiguous(), group=group)
+    for g in gathered:
+        assert torch.equal(torch.nan_to_num(g, 7.0), torch.nan_to_num(t, 7.0)), "ranks disagree"
+
+
+def shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    v = full.shape[-1] // world
+    return full[..., rank * v:(rank + 1) * v]
+
+
+def check_case(group, *, api, layout, dtype, reduction, smoothing, z_loss, v_local=23):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    s, b, v = 5, 3, v_local * world
+    gen = torch.Generator().manual_seed(1234)
+    full = (torch.randn(b, s, v, generator=gen) * 3).to(dtype)
+    target = torch.randint(0, v, (b, s), generator=gen)
+    target[torch.rand(b, s, generator=gen) < 0.2] = -100
+    upstream = torch.randn(b, s, generator=gen)
+    if layout == "sbv":  # Megatron's [s, b, v]: a transposed view, sharded along v
+        full, target, upstream = full.transpose(0, 1), target.t(), upstream.t()
+    x = shard(full, rank, world).detach().requires_grad_()
+    kw = dict(label_smoothing=smoothing)
+    if api == "module":
+        loss = VocabParallelCrossEntropy(group, reduction=reduction, z_loss=z_loss, **kw)(x, target)
+    elif api == "transformer_engine":
+        loss = parallel_cross_entropy(x, target, smoothing, reduction == "mean", group)
+    else:
+        loss = vocab_parallel_cross_entropy(x, target, smoothing, tp_group=group)
+    ref_kw = dict(label_smoothing=smoothing, z_loss=z_loss, reduction=reduction)
+    ref_loss, ref_grad = full_vocab_loss_and_grad(full, target, upstream if reduction == "none" else None, **ref_kw)
+    (grad,) = torch.autograd.grad(loss, x, upstream if reduction == "none" else None)
+    tol = 1e-5 if dtype == torch.float32 else 1e-4
+    torch.testing.assert_close(loss.double(), ref_loss, atol=tol, rtol=tol)
+    gtol = 2e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(grad.double(), shard(ref_grad, rank, world), atol=gtol, rtol=2 * gtol)
+    same_on_every_rank(loss.detach(), group)
+
+
+def check_against_megatron(group, world):
+    """Our drop-in vs megatron-core's own vocab_parallel_cross_entropy (no smoothing)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    try:
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        gen = torch.Generator().manual_seed(99)
+        full = torch.randn(7, 2, 19 * world, generator=gen) * 2
+        target = torch.randint(0, 19 * world, (7, 2), generator=gen)
+        upstream = torch.randn(7, 2, generator=gen)
+        mine = shard(full, rank, world).clone().requires_grad_()
+        theirs = shard(full, rank, world).clone().requires_grad_()
+        loss = vocab_parallel_cross_entropy(mine, target)  # tp_group from parallel_state
+        ref = tensor_parallel.vocab_parallel_cross_entropy(theirs * 1.0, target)
+        torch.testing.assert_close(loss, ref.float(), atol=1e-5, rtol=1e-5)
+        g_mine, = torch.autograd.grad(loss, mine, upstream)
+        g_ref, = torch.autograd.grad(ref, theirs, upstream)
+        torch.testing.assert_close(g_mine, g_ref, atol=1e-6, rtol=1e-5)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def check_unequal_shards(group):
+    rank = dist.get_rank(group)
+    x = torch.randn(2, 3, 10 + rank)
+    try:
+        parallel_cross_entropy(x, torch.zeros(2, 3, dtype=torch.long), dist_process_group=group)
+    except ValueError as e:
+        assert "vocab shards differ" in str(e), e
+    else:
+        raise AssertionError("unequal shards were not rejected")
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    impls = sys.argv[1].split(",") if len(sys.argv) > 1 else ["triton", "torch"]
+    n = 0
+    for impl in impls:
+        ce_mod._backend = (lambda t: ce_mod._triton_kernels) if impl == "triton" else (lambda t: reference)
+        for api, reductions in [("module", ["none", "mean", "sum"]),
+                                ("transformer_engine", ["none", "mean"]),
+                                ("megatron", ["none"])]:
+            for reduction in reductions:
+                for layout in ["bsv", "sbv"]:
+                    for smoothing, z_loss in [(0.0, 0.0), (0.1, 1e-3 if api == "module" else 0.0)]:
+                        check_case(group, api=api, layout=layout, dtype=torch.float32,
+                                   reduction=reduction, smoothing=smoothing, z_loss=z_loss)
+                        n += 1
+        check_case(group, api="module", layout="sbv", dtype=torch.bfloat16, reduction="none",
+                   smoothing=0.1, z_loss=0.0)
+        check_against_megatron(group, world)
+        n += 2
+    check_unequal_shards(group)
+    if dist.get_rank() == 0:
+        print(f"tp_worker: {n + 1} cases passed on {world} ranks")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
