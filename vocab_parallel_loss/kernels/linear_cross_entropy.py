@@ -1,0 +1,489 @@
+"""Triton kernels for the fused linear cross entropy (no autograd, no torch.distributed here).
+
+Notation: ``e`` is ``(N, H)`` hidden states, ``c`` is ``(V, H)`` this rank's classifier rows
+(``V`` = local vocabulary), ``z = e @ c.T (+ bias)`` the raw logits, ``x = softcap * tanh(z /
+softcap)`` (or ``x = z``) the logits the loss sees. The ``(N, V)`` logits are never stored.
+
+Three kernels, every accumulation in fp32 and in a fixed order (deterministic, no atomics):
+
+``_lce_fwd_kernel`` (2NHV flops)
+    One program per (row block, vocabulary split). It walks its vocabulary tiles, computes each
+    ``BLOCK_N x BLOCK_V`` logits tile with ``tl.dot`` (fp32 accumulator, K loop over H) and
+    folds it into online per-row statistics: max ``m``, ``s = sum exp(x - m)``, the target logit
+    (0 when the target is not in this split) and the sum of logits (label smoothing). The splits
+    (``(SPLIT, 4, N)`` floats) are merged on the host side by ``merge_split_stats``.
+
+``_lce_dlogits_kernel`` (2 N H Vc flops per vocabulary chunk)
+    Recomputes a chunk of ``Vc`` logit columns tile by tile and writes
+    ``dz = (gp * softmax - gt * onehot - gc) * dx/dz`` in the input dtype into a
+    ``(N, Vc)`` buffer, plus per-row-block column sums for the bias gradient (fp32).
+    ``gp, gt, gc`` are per-row coefficients prepared by the caller (they carry the upstream
+    gradient, the reduction, label smoothing and z-loss), so no loss option is a constexpr.
+
+``_mm_kernel`` (2 N H Vc flops each, twice per chunk)
+    A plain tiled GEMM with an fp32 accumulator that either adds into an fp32 output
+    (``dE += dz @ c_chunk``) or stores once, rounded to the output dtype (``dC_chunk = dz.T @ e``).
+
+Backward therefore costs 6NHV on top of the forward's 2NHV (8NHV in all) and keeps extra memory
+at ``N * Vc`` elements (the chunk) plus the fp32 ``(N, H)`` dE accumulator, independent of V.
+Every ``dC`` row is produced by exactly one GEMM over all N rows: it is rounded once. ``dE`` is
+summed over the chunks in fp32 and rounded once by the caller (after the TP all-reduce).
+
+All row/column offsets are computed in int64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile configurations
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LCEConfig:
+    """Tile configuration of the fused linear cross entropy kernels.
+
+    ``fwd_*``: forward statistics kernel; ``bwd_*``: dlogits recompute kernel; ``mm_*``: the two
+    gradient GEMMs. ``split``: vocabulary splits per row block in the forward (0 = choose so that
+    the grid covers ``2 x`` the multiprocessors). ``chunk_bytes``: size of the ``(N, Vc)`` dlogits
+    buffer in backward (bigger = fewer, larger GEMMs; extra memory). ``matmul``: ``"triton"`` (fp32
+    accumulation guaranteed) or ``"torch"`` (cuBLAS for ``dC``; ``dE`` still in Triton since it
+    must accumulate into fp32).
+    """
+
+    fwd_block_n: int = 128
+    fwd_block_v: int = 256
+    fwd_block_h: int = 64
+    fwd_group_n: int = 16
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    split: int = 0
+    bwd_block_n: int = 128
+    bwd_block_v: int = 256
+    bwd_block_h: int = 64
+    bwd_group_n: int = 8
+    bwd_warps: int = 8
+    bwd_stages: int = 3
+    mm_block_m: int = 128
+    mm_block_n: int = 256
+    mm_block_k: int = 64
+    mm_group_m: int = 8
+    mm_warps: int = 8
+    mm_stages: int = 3
+    chunk_bytes: int = 128 * 1024 * 1024
+    matmul: str = "triton"
+
+    def replace(self, **kw) -> "LCEConfig":
+        return dataclasses.replace(self, **kw)
+
+
+HOPPER_CONFIG = LCEConfig()
+AMPERE_CONFIG = LCEConfig(
+    fwd_block_n=128, fwd_block_v=128, fwd_block_h=32, fwd_warps=8, fwd_stages=4,
+    bwd_block_n=128, bwd_block_v=128, bwd_block_h=32, bwd_warps=8, bwd_stages=4,
+    mm_block_m=128, mm_block_n=128, mm_block_k=32, mm_warps=8, mm_stages=4,
+)
+# The interpreter runs tiles through numpy: small tiles keep the CPU tests quick.
+INTERPRET_CONFIG = LCEConfig(
+    fwd_block_n=16, fwd_block_v=32, fwd_block_h=16, fwd_group_n=2, fwd_warps=4, fwd_stages=1,
+    split=2,
+    bwd_block_n=16, bwd_block_v=32, bwd_block_h=16, bwd_group_n=2, bwd_warps=4, bwd_stages=1,
+    mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
+    chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
+)
+
+#: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and sweeps do this).
+#: The environment variable ``VPL_LCE_CONFIG`` (JSON of ``LCEConfig`` fields) is applied on top.
+OVERRIDE_CONFIG: Optional[LCEConfig] = None
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def default_config(device: torch.device) -> LCEConfig:
+    if OVERRIDE_CONFIG is not None:
+        cfg = OVERRIDE_CONFIG
+    elif device.type != "cuda" or interpreting():
+        cfg = INTERPRET_CONFIG
+    else:
+        major, _ = torch.cuda.get_device_capability(device)
+        cfg = HOPPER_CONFIG if major >= 9 else AMPERE_CONFIG
+    env = os.environ.get("VPL_LCE_CONFIG")
+    if env:
+        cfg = cfg.replace(**json.loads(env))
+    return cfg
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _upcast(dtype: torch.dtype) -> bool:
+    # Triton's interpreter (3.9) feeds bf16 operands of tl.dot to numpy as their raw uint16 bits;
+    # upcasting first is exact (bf16 x bf16 products fit fp32), as the tensor cores compute.
+    return dtype == torch.bfloat16 and interpreting()
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full precision ("tf32" would silently drop 13 mantissa bits on the GPU).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # exp-based tanh: saturates to +-1 (exp overflow -> inf -> 2/inf = 0), portable across
+    # backends and the interpreter.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _logits_tile(E, C, rows_ld, cols_ld, H, stride_en, stride_eh, stride_cv, stride_ch,
+                 EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32 ``E[rows] @ C[cols].T``; ``rows_ld`` / ``cols_ld`` are in range (callers wrap them)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    e_ptrs = E + rows_ld.to(tl.int64)[:, None] * stride_en + offs_h[None, :].to(tl.int64) * stride_eh
+    c_ptrs = C + cols_ld.to(tl.int64)[None, :] * stride_cv + offs_h[:, None].to(tl.int64) * stride_ch
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        if EVEN_H:
+            a = tl.load(e_ptrs)
+            b = tl.load(c_ptrs)
+        else:
+            hm = (h0 + offs_h) < H
+            a = tl.load(e_ptrs, mask=hm[None, :], other=0.0)
+            b = tl.load(c_ptrs, mask=hm[:, None], other=0.0)
+        if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        e_ptrs += BLOCK_H * stride_eh
+        c_ptrs += BLOCK_H * stride_ch
+    return acc
+
+
+@triton.jit
+def _lce_fwd_kernel(
+    E, C, BIAS, TGT, STATS,
+    N, V, H,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t,
+    v_offset, softcap, tiles_per_split, n_splits,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
+    EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_rb = tl.cdiv(N, BLOCK_N)
+    # Grouped order: consecutive programs cover GROUP_N row blocks x the splits, so the programs
+    # in flight share E row blocks and C tiles through L2.
+    width = GROUP_N * n_splits
+    group = pid // width
+    first_rb = group * GROUP_N
+    gsize = tl.minimum(num_rb - first_rb, GROUP_N)
+    rb = first_rb + (pid % width) % gsize
+    split = (pid % width) // gsize
+
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows_ld = tl.where(row_mask, rows, 0)
+    t = tl.load(TGT + rows_ld.to(tl.int64) * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sx = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    num_vt = tl.cdiv(V, BLOCK_V)
+    t_begin = split * tiles_per_split
+    t_end = tl.minimum(num_vt, t_begin + tiles_per_split)
+    for vt in range(t_begin, t_end):
+        cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+        col_mask = cols < V
+        cols_ld = tl.where(col_mask, cols, 0)
+        x = _logits_tile(E, C, rows_ld, cols_ld, H, stride_en, stride_eh, stride_cv, stride_ch,
+                         EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PREC, UPCAST)
+        if HAS_BIAS:
+            b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
+            x += b[None, :]
+        if HAS_SOFTCAP:
+            x = softcap * _tanh(x / softcap)
+        xm = tl.where(col_mask[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(xm, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(xm - m_new[:, None]), axis=1)
+        m = m_new
+        tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
+        if NEED_SUMX:
+            sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
+
+    base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
+    tl.store(base, m, mask=row_mask)
+    tl.store(base + N, s, mask=row_mask)
+    tl.store(base + 2 * N, tg, mask=row_mask)
+    tl.store(base + 3 * N, sx, mask=row_mask)
+
+
+@triton.jit
+def _lce_dlogits_kernel(
+    E, C, BIAS, TGT, COEF, D, DB,
+    N, V, H, v_start, n_cols,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db,
+    v_offset, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
+
+    COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
+    """
+    pid = tl.program_id(0)
+    num_rb = tl.cdiv(N, BLOCK_N)
+    num_cb = tl.cdiv(n_cols, BLOCK_V)
+    width = GROUP_N * num_cb
+    group = pid // width
+    first_rb = group * GROUP_N
+    gsize = tl.minimum(num_rb - first_rb, GROUP_N)
+    rb = first_rb + (pid % width) % gsize
+    cb = (pid % width) // gsize
+
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows_ld = tl.where(row_mask, rows, 0)
+    ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
+    col_mask = ccols < n_cols
+    cols = v_start + ccols  # local vocabulary column
+    cols_ld = tl.where(col_mask, cols, 0)
+
+    z = _logits_tile(E, C, rows_ld, cols_ld, H, stride_en, stride_eh, stride_cv, stride_ch,
+                     EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PREC, UPCAST)
+    if HAS_BIAS:
+        b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
+        z += b[None, :]
+    if HAS_SOFTCAP:
+        th = _tanh(z / softcap)
+        x = softcap * th
+    else:
+        x = z
+
+    r64 = rows_ld.to(tl.int64)
+    lse = tl.load(COEF + r64)
+    gp = tl.load(COEF + N + r64)
+    gt = tl.load(COEF + 2 * N + r64)
+    gc = tl.load(COEF + 3 * N + r64)
+    t = tl.load(TGT + r64 * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+
+    p = tl.exp(x - lse[:, None])
+    dx = gp[:, None] * p - gc[:, None] - tl.where(cols[None, :] == t_local[:, None], gt[:, None], 0.0)
+    if HAS_SOFTCAP:
+        dx = dx * (1.0 - th * th)
+    mask = row_mask[:, None] & col_mask[None, :]
+    dx = tl.where(mask, dx, 0.0)
+    d_ptrs = D + rows.to(tl.int64)[:, None] * stride_dn + ccols[None, :].to(tl.int64)
+    tl.store(d_ptrs, dx.to(D.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(DB + rb.to(tl.int64) * stride_db + ccols.to(tl.int64), tl.sum(dx, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _mm_kernel(
+    A, B, OUT, M, NN, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
+    ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """``OUT (+)= A @ B`` with an fp32 accumulator; ``A (M, K)``, ``B (K, NN)``, any strides."""
+    pid = tl.program_id(0)
+    num_pm = tl.cdiv(M, BLOCK_M)
+    num_pn = tl.cdiv(NN, BLOCK_N)
+    width = GROUP_M * num_pn
+    group = pid // width
+    first_m = group * GROUP_M
+    gsize = tl.minimum(num_pm - first_m, GROUP_M)
+    pm = first_m + (pid % width) % gsize
+    pn = (pid % width) // gsize
+
+    offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ld = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    n_ld = tl.where(offs_n < NN, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = A + m_ld[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+    b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + n_ld[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            km = (k0 + offs_k) < K
+            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    mask = (offs_m < M)[:, None] & (offs_n < NN)[None, :]
+    o_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on
+    if ACCUMULATE:
+        acc += tl.load(o_ptrs, mask=mask, other=0.0)
+    tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------
+# Host wrappers (allocation + launch; no autograd, no communication)
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_tiles(*blocks: int) -> None:
+    for b in blocks:
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"tile sizes must be powers of two >= 16, got {b}")
+
+
+def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                  targets: torch.Tensor, v_offset: int, softcap: Optional[float],
+                  need_sumx: bool, config: Optional[LCEConfig] = None) -> torch.Tensor:
+    """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
+
+    ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
+    of this shard); a target outside this shard contributes 0 to the target logit.
+    """
+    cfg = config or default_config(e.device)
+    N, H = e.shape
+    V = c.shape[0]
+    stats = torch.empty((4, N), dtype=torch.float32, device=e.device)
+    if N == 0:
+        return stats
+    BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
+    _check_tiles(BN, BV, BH)
+    num_rb = triton.cdiv(N, BN)
+    num_vt = triton.cdiv(V, BV)
+    split = cfg.split or max(1, triton.cdiv(2 * _num_sms(e.device), num_rb))
+    split = min(split, num_vt)
+    tiles_per_split = triton.cdiv(num_vt, split)
+    split = triton.cdiv(num_vt, tiles_per_split)  # every split non-empty
+    part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
+    grid = (num_rb * split,)
+    _lce_fwd_kernel[grid](
+        e, c, bias if bias is not None else e, targets, part,
+        N, V, H,
+        e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
+        v_offset, float(softcap) if softcap else 1.0, tiles_per_split, split,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
+        EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
+        DOT_PREC=_dot_precision(e.dtype), UPCAST=_upcast(e.dtype), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+    )
+    if split == 1:
+        return stats
+    return merge_split_stats(part)
+
+
+def merge_split_stats(part: torch.Tensor) -> torch.Tensor:
+    """Merge ``(S, 4, N)`` partial statistics (max, sumexp, target, sumx) into ``(4, N)``."""
+    m = part[:, 0].amax(dim=0)
+    s = (part[:, 1] * torch.exp(part[:, 0] - m)).sum(dim=0)
+    return torch.stack([m, s, part[:, 2].sum(dim=0), part[:, 3].sum(dim=0)])
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
+        cfg: LCEConfig) -> None:
+    M, K = a.shape
+    NN = b.shape[1]
+    if M == 0 or NN == 0:
+        return
+    if K == 0:
+        if not accumulate:
+            out.zero_()
+        return
+    BM, BN, BK = cfg.mm_block_m, cfg.mm_block_n, cfg.mm_block_k
+    _check_tiles(BM, BN, BK)
+    grid = (triton.cdiv(M, BM) * triton.cdiv(NN, BN),)
+    _mm_kernel[grid](
+        a, b, out, M, NN, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        ACCUMULATE=accumulate, EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
+        GROUP_M=cfg.mm_group_m, DOT_PREC=_dot_precision(a.dtype), UPCAST=_upcast(a.dtype),
+        num_warps=cfg.mm_warps, num_stages=cfg.mm_stages,
+    )
+
+
+def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+             targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
+             softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
+             config: Optional[LCEConfig] = None):
+    """Gradients of ``sum_n [gp_n * lse_n - gt_n * x_{n,t_n} - gc_n * sum_j x_{n,j}]``.
+
+    ``coef (4, N)`` fp32 rows: lse, gp, gt, gc. Returns ``(dE fp32 (N, H) or None,
+    dC in c.dtype (V, H) or None, dbias fp32 (V,) or None)``.
+    """
+    cfg = config or default_config(e.device)
+    N, H = e.shape
+    V = c.shape[0]
+    dev = e.device
+    de = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_de else None
+    dc = torch.empty_like(c, memory_format=torch.contiguous_format) if need_dc else None
+    db = torch.empty((V,), dtype=torch.float32, device=dev) if need_dbias else None
+    if N == 0:
+        if dc is not None:
+            dc.zero_()
+        if db is not None:
+            db.zero_()
+        return de, dc, db
+    if not (need_de or need_dc or need_dbias):
+        return de, dc, db
+    BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h
+    _check_tiles(BN, BV, BH)
+    # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes.
+    per_col = N * e.element_size()
+    vc = max(BV, (cfg.chunk_bytes // max(per_col, 1)) // BV * BV)
+    vc = min(vc, triton.cdiv(V, BV) * BV)
+    d = torch.empty((N, vc), dtype=e.dtype, device=dev)
+    num_rb = triton.cdiv(N, BN)
+    db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
+    dot_prec = _dot_precision(e.dtype)
+    for v0 in range(0, V, vc):
+        nc = min(vc, V - v0)
+        grid = (num_rb * triton.cdiv(nc, BV),)
+        _lce_dlogits_kernel[grid](
+            e, c, bias if bias is not None else e, targets, coef, d,
+            db_part if db_part is not None else coef,
+            N, V, H, v0, nc,
+            e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,
+            v_offset, float(softcap) if softcap else 1.0,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+            EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
+            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+        )
+        dz = d[:, :nc]
+        if need_de:
+            _mm(dz, c[v0:v0 + nc], de, True, cfg)  # dE += dz @ c_chunk (fp32)
+        if need_dc:
+            if cfg.matmul == "torch":
+                torch.mm(dz.t(), e, out=dc[v0:v0 + nc])
+            else:
+                _mm(dz.t(), e, dc[v0:v0 + nc], False, cfg)  # dC_chunk = dz.T @ e, rounded once
+        if need_dbias:
+            db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
+    return de, dc, db
