@@ -1,0 +1,255 @@
+"""torchrun worker for tests/megatron: TP=2 over gloo on CPU, tiny shapes.
+
+    torchrun --nproc-per-node 2 tests/megatron/_worker.py OUT.json [CHECK ...]
+
+Runs each check, catches its failure, and rank 0 writes {check: {"ok": bool, "error": str, ...}}
+to OUT.json. Every comparison is against an independent reference: megatron-core's own loss path,
+or fp64 ``torch.nn.functional.cross_entropy`` on the all-gathered full-vocabulary logits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import traceback
+import warnings
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+TP = 2
+VOCAB = 256  # 128 columns per rank
+SEQ, BATCH, HIDDEN, HEADS, LAYERS = 16, 2, 32, 4, 2
+STEPS = 10
+
+
+def setup():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    return parallel_state
+
+
+def tiny_config():
+    from vocab_parallel_loss.megatron import _compat
+
+    return _compat.transformer_config(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=TP,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
+        cross_entropy_loss_fusion=False,
+    )
+
+
+def build(loss_config, seed=1234, cls=None):
+    """A tiny GPTModel; CPU initialization makes the weights the same for the same seed."""
+    from vocab_parallel_loss.megatron import VocabParallelLossGPTModel
+    from vocab_parallel_loss.megatron.layer_specs import sdpa_gpt_layer_spec
+
+    torch.manual_seed(seed)
+    kwargs = dict(config=tiny_config(), transformer_layer_spec=sdpa_gpt_layer_spec(), vocab_size=VOCAB,
+                  max_sequence_length=SEQ, share_embeddings_and_output_weights=True, parallel_output=True)
+    if cls is not None:
+        return cls(**kwargs)
+    return VocabParallelLossGPTModel(loss_config=loss_config, **kwargs)
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step % 2)  # same on every rank; two batches to learn
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    return tokens[:, :-1].contiguous(), pos, tokens[:, 1:].contiguous()
+
+
+def gather_vocab(local, group):
+    """Concatenate the vocab shards of ``local (..., V/tp)`` in rank order (autograd-free)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+def close(name, a, b, atol, rtol=0.0):
+    err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+    tol = atol + rtol * b.double().abs().max().item()
+    if not err <= tol:
+        raise AssertionError(f"{name}: max abs diff {err:.3e} > {tol:.3e}")
+    return err
+
+
+# ---------------------------------------------------------------------------------------- checks
+def check_holds_loss(ps):
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from vocab_parallel_loss import VocabParallelCrossEntropy
+    from vocab_parallel_loss.megatron import (
+        VocabParallelLossConfig,
+        VocabParallelLossGPTModel,
+        attach_vocab_parallel_loss,
+        wrap_model_provider,
+    )
+
+    cfg = VocabParallelLossConfig(enabled=True, label_smoothing=0.1, z_loss=1e-4)
+    model = build(cfg)
+    assert isinstance(model, GPTModel)
+    assert isinstance(model.vocab_parallel_loss, VocabParallelCrossEntropy), type(model.vocab_parallel_loss)
+    assert "vocab_parallel_loss" in dict(model.named_children()), "the loss must be a registered submodule"
+    group = model.vocab_parallel_loss.tp_group
+    expected = ps.get_tensor_model_parallel_group()
+    assert dist.get_process_group_ranks(group) == dist.get_process_group_ranks(expected)
+    assert model.vocab_parallel_loss.label_smoothing == 0.1 and model.vocab_parallel_loss.z_loss == 1e-4
+    assert not any(k.startswith("vocab_parallel_loss") for k in model.state_dict()), "no checkpoint entries"
+    off = build(VocabParallelLossConfig(enabled=False))
+    assert off.vocab_parallel_loss is None
+    plain = build(None, cls=GPTModel)
+    same = attach_vocab_parallel_loss(plain, VocabParallelLossConfig(enabled=True))
+    assert same is plain and isinstance(plain, VocabParallelLossGPTModel)
+    assert isinstance(plain.vocab_parallel_loss, VocabParallelCrossEntropy)
+    # The Megatron-LM model-provider wrapper.
+    provider = wrap_model_provider(lambda pre_process=True, post_process=True: build(None, cls=GPTModel),
+                                   VocabParallelLossConfig(enabled=True, z_loss=1e-3))
+    wrapped = provider(pre_process=True, post_process=True)
+    assert isinstance(wrapped, GPTModel) and isinstance(wrapped.vocab_parallel_loss, VocabParallelCrossEntropy)
+    assert wrapped.vocab_parallel_loss.z_loss == 1e-3
+    return {}
+
+
+def check_loss_matches_native(ps):
+    """compute_language_model_loss vs megatron-core's vocab_parallel_cross_entropy (loss, dlogits),
+    and vs fp64 full-vocabulary F.cross_entropy with label smoothing and z-loss."""
+    from megatron.core import tensor_parallel
+
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig
+
+    group = ps.get_tensor_model_parallel_group()
+    rank = ps.get_tensor_model_parallel_rank()
+    out = {}
+    g = torch.Generator().manual_seed(7)
+    full = torch.randn(SEQ, BATCH, VOCAB, generator=g) * 3  # same on every rank
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    upstream = torch.rand(BATCH, SEQ, generator=g)
+    local = full[..., rank * (VOCAB // TP):(rank + 1) * (VOCAB // TP)].contiguous()
+
+    model = build(VocabParallelLossConfig(enabled=True))
+    x = local.clone().requires_grad_(True)
+    loss = model.compute_language_model_loss(labels, x)
+    assert loss.shape == (BATCH, SEQ) and loss.dtype == torch.float32, (loss.shape, loss.dtype)
+    loss.backward(upstream)
+
+    y = local.clone().requires_grad_(True)
+    ref = tensor_parallel.vocab_parallel_cross_entropy(y, labels.t().contiguous()).t()
+    ref.backward(upstream)
+    out["loss_vs_native"] = close("loss vs megatron-core", loss, ref, 1e-5, 1e-6)
+    out["grad_vs_native"] = close("dlogits vs megatron-core", x.grad, y.grad, 1e-6)
+
+    # Label smoothing (global V, PyTorch's convention) and z-loss vs fp64 F.cross_entropy.
+    a, z = 0.1, 1e-3
+    model = build(VocabParallelLossConfig(enabled=True, label_smoothing=a, z_loss=z))
+    x = local.clone().requires_grad_(True)
+    loss = model.compute_language_model_loss(labels, x)
+    loss.backward(upstream)
+    f = full.double().permute(1, 0, 2).requires_grad_(True)  # [b, s, V]
+    ref = F.cross_entropy(f.reshape(-1, VOCAB), labels.reshape(-1), reduction="none", label_smoothing=a)
+    ref = ref.view(BATCH, SEQ) + z * torch.logsumexp(f, -1) ** 2
+    ref.backward(upstream.double())
+    out["smoothing_loss_vs_fp64"] = close("smoothed loss vs fp64", loss, ref, 1e-5, 1e-6)
+    grad_full = gather_vocab(x.grad, group)
+    out["smoothing_grad_vs_fp64"] = close("smoothed dlogits vs fp64", grad_full, f.grad.permute(1, 0, 2), 1e-6)
+    return out
+
+
+def named_grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_model_and_curve(ps):
+    """Full GPTModel forward+backward: our loss vs the native path, then 10 AdamW steps."""
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig
+
+    ours = build(VocabParallelLossConfig(enabled=True))
+    native = build(VocabParallelLossConfig(enabled=False))
+    for (n1, p1), (n2, p2) in zip(ours.named_parameters(), native.named_parameters()):
+        assert n1 == n2 and torch.equal(p1, p2), f"initial weights differ at {n1}"
+    assert ours.vocab_parallel_loss is not None and native.vocab_parallel_loss is None
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, native)]
+    out = {"curve_ours": [], "curve_native": []}
+    for step in range(STEPS):
+        tokens, pos, labels = batch(step)
+        losses = []
+        for model, opt in zip((ours, native), opts):
+            per_token = model(tokens, pos, None, labels=labels)
+            assert per_token.shape == (BATCH, SEQ), per_token.shape
+            loss = per_token.mean()
+            loss.backward()
+            losses.append((per_token.detach(), loss.item()))
+        if step == 0:  # recorded apart from the curve: the forward/backward test reads it
+            try:
+                out["fwd_loss_diff"] = close("per-token loss, full model", losses[0][0], losses[1][0], 1e-5, 1e-6)
+                g_ours, g_native = named_grads(ours), named_grads(native)
+                n_params = len(list(ours.parameters()))
+                assert g_ours.keys() == g_native.keys() and len(g_ours) == n_params, "missing gradients"
+                worst = 0.0
+                for name in g_ours:
+                    scale = g_native[name].abs().max().item()
+                    worst = max(worst, close(f"grad of {name}", g_ours[name], g_native[name], 1e-6 + 1e-4 * scale))
+                out["param_grad_max_diff"] = worst
+                out["n_params_compared"] = len(g_ours)
+            except AssertionError as e:
+                out["fwd_error"] = str(e)
+        out["curve_ours"].append(losses[0][1])
+        out["curve_native"].append(losses[1][1])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    if "fwd_error" in out:
+        raise AssertionError(out["fwd_error"])
+    diffs = [abs(a - b) for a, b in zip(out["curve_ours"], out["curve_native"])]
+    out["curve_max_diff"] = max(diffs)
+    if not max(diffs) <= 1e-4:
+        raise AssertionError(f"loss curves differ by {max(diffs):.3e}: {out}")
+    if not out["curve_ours"][-1] < out["curve_ours"][0]:
+        raise AssertionError(f"training did not lower the loss: {out['curve_ours']}")
+    return out
+
+
+CHECKS = {
+    "holds_loss": check_holds_loss,
+    "loss_matches_native": check_loss_matches_native,
+    "model_and_curve": check_model_and_curve,
+}
+
+
+def main():
+    out_path = sys.argv[1]
+    names = sys.argv[2:] or list(CHECKS)
+    ps = setup()
+    results = {}
+    for name in names:
+        try:
+            results[name] = {"ok": True, **CHECKS[name](ps)}
+        except Exception as e:  # recorded, reported by the pytest side
+            results[name] = {"ok": False, "error": f"rank {dist.get_rank()}: {e!r}\n{traceback.format_exc()}"}
+        dist.barrier()
+    # Rank 0 writes; a failure seen by any rank counts.
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        merged = {}
+        for name in names:
+            bad = [r[name] for r in gathered if not r[name]["ok"]]
+            merged[name] = bad[0] if bad else gathered[0][name]
+        Path(out_path).write_text(json.dumps(merged, indent=1))
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

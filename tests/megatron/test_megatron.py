@@ -1,0 +1,138 @@
+"""Megatron integration, CPU: flags in-process; TP=2 checks in torchrun subprocesses (gloo).
+
+The heavy checks run once per module in one ``torchrun --nproc-per-node 2`` of ``_worker.py``
+(starting megatron-core twice costs more than the checks); each test reads its own result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(args, timeout: float) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2`` with this interpreter; the environment (TRITON_INTERPRET) is kept."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _fail(proc, what):
+    tail = (proc.stdout[-4000:] + "\n--- stderr ---\n" + proc.stderr[-6000:])
+    pytest.fail(f"{what} exited with {proc.returncode}:\n{tail}")
+
+
+# ----------------------------------------------------------------------------- in-process tests
+def test_flags_parse():
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig, add_vocab_parallel_loss_args
+
+    parser = argparse.ArgumentParser()
+    assert add_vocab_parallel_loss_args(parser) is parser  # Megatron-LM extra_args_provider contract
+    args = parser.parse_args([
+        "--vocab-parallel-loss", "--vocab-parallel-loss-label-smoothing", "0.1",
+        "--vocab-parallel-loss-z-loss", "1e-4", "--vocab-parallel-loss-inplace-backward",
+        "--vocab-parallel-loss-fused-linear",
+    ])
+    cfg = VocabParallelLossConfig.from_args(args)
+    assert cfg == VocabParallelLossConfig(enabled=True, label_smoothing=0.1, z_loss=1e-4,
+                                          inplace_backward=True, fused_linear=True)
+    assert cfg.loss_kwargs() == dict(label_smoothing=0.1, ignore_index=-100, reduction="none",
+                                     z_loss=1e-4, inplace_backward=True)
+    default = VocabParallelLossConfig.from_args(parser.parse_args([]))
+    assert default == VocabParallelLossConfig()
+    assert not default.enabled and not default.fused_linear
+    # A namespace without our group (Megatron-LM run without the extra args) keeps the defaults.
+    assert VocabParallelLossConfig.from_args(argparse.Namespace()) == VocabParallelLossConfig()
+    with pytest.raises(ValueError):
+        VocabParallelLossConfig(label_smoothing=1.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--vocab-parallel-loss-z-loss", "abc"])
+
+
+# ------------------------------------------------------------------------------- torchrun tests
+@pytest.fixture(scope="module")
+def worker_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron") / "results.json"
+    proc = torchrun([WORKER, out], timeout=300)
+    if proc.returncode != 0 or not out.exists():
+        _fail(proc, "tests/megatron/_worker.py")
+    return json.loads(out.read_text())
+
+
+def _ok(results, name):
+    r = results[name]
+    assert r["ok"], r.get("error")
+    return r
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_gpt_model_holds_vocab_parallel_cross_entropy(worker_results):
+    _ok(worker_results, "holds_loss")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_compute_language_model_loss_matches_megatron(worker_results):
+    r = _ok(worker_results, "loss_matches_native")
+    assert r["loss_vs_native"] <= 1e-5 and r["grad_vs_native"] <= 1e-6
+    assert r["smoothing_loss_vs_fp64"] <= 1e-5 and r["smoothing_grad_vs_fp64"] <= 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_gpt_forward_backward_matches_native_path(worker_results):
+    r = worker_results["model_and_curve"]
+    assert "fwd_error" not in r and "fwd_loss_diff" in r, r.get("fwd_error") or r.get("error")
+    assert r["n_params_compared"] > 10
+    assert r["fwd_loss_diff"] <= 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_ten_training_steps_same_loss_curve(worker_results):
+    r = _ok(worker_results, "model_and_curve")
+    assert len(r["curve_ours"]) == len(r["curve_native"]) == 10
+    assert max(abs(a - b) for a, b in zip(r["curve_ours"], r["curve_native"])) <= 1e-4
+    assert r["curve_ours"][-1] < r["curve_ours"][0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_pretrain_script_three_steps_tp2(tmp_path):
+    out = tmp_path / "summary.json"
+    proc = torchrun([
+        REPO / "scripts" / "pretrain_gpt.py", "--config", REPO / "configs" / "tiny_gpt_tp2.yaml",
+        "--train-iters", "3", "--micro-batch-size", "2", "--seq-length", "32",
+        "--vocab-size", "1024", "--data-max-bytes", "200000", "--compare-native",
+        "--no-progress-bar", "--json-output", out,
+    ], timeout=240)
+    if proc.returncode != 0 or not out.exists():
+        _fail(proc, "scripts/pretrain_gpt.py")
+    s = json.loads(out.read_text())
+    assert s["loss_impl"] == "vocab_parallel_loss" and s["tp"] == 2 and s["world"] == 2
+    assert len(s["losses"]) == 3 and all(math.isfinite(x) for x in s["losses"])
+    assert s["padded_vocab"] % (128 * 2) == 0 and s["padded_vocab"] >= s["vocab"]
+    assert s["max_abs_loss_diff_vs_native"] <= 1e-4
+    assert s["max_abs_grad_diff_vs_native"] <= 1e-6
+    assert "step    3/3" in proc.stdout
