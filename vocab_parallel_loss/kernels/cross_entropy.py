@@ -179,6 +179,16 @@ def _block(v_local: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(v_local)))
 
 
+def forward_config(v_local: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the statistics pass (tuned on the H200: scripts/tune_kernels.py)."""
+    return dict(BLOCK=_block(v_local, 2048), num_warps=8)
+
+
+def backward_config(v_local: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
+    return dict(BLOCK=_block(v_local, 4096), num_warps=16 if v_local >= 4096 else 4)
+
+
 def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z_loss,
             stats=None, loss=None, lse=None):
     """Per-row statistics into ``stats`` (4, N), or, when ``stats`` is None, loss and lse directly.
@@ -192,7 +202,7 @@ def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z
         n, v_local, view.D1, view.s0, view.s1, target.stride(0),
         vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
         FINALIZE=finalize, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        BLOCK=_block(v_local, 2048), num_warps=8,
+        **forward_config(v_local, view.tensor.dtype),
     )
 
 
@@ -219,5 +229,5 @@ def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size,
         v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), dloss.stride(0) if dloss.dim() else 0,
         vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
         MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        BLOCK=_block(v_local, 4096), num_warps=16 if v_local >= 4096 else 4,
+        **backward_config(v_local, view.tensor.dtype),
     )

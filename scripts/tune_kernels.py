@@ -1,0 +1,84 @@
+"""Sweep launch parameters of the cross-entropy kernels on a GPU (kernel time only).
+
+    python scripts/tune_kernels.py --out tune.json
+
+For each shape and each (BLOCK, num_warps) the forward (statistics + loss) and backward (gradient)
+kernels are timed with triton.testing.do_bench; the ratio is the time over the memory-traffic
+bound (forward reads 2 B/element, backward reads 2 and writes 2) at the copy bandwidth measured in
+the same run. The best configurations go into kernels/cross_entropy.py's *_config functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import triton.testing
+
+from vocab_parallel_loss._layout import like_rows, row_view
+from vocab_parallel_loss.kernels import cross_entropy as K
+
+SHAPES = [(16384, 32000), (16384, 128256), (8192, 256000), (16384, 16032), (65536, 16032)]
+
+
+def copy_bandwidth() -> float:
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
+    return 2 * a.numel() / (ms * 1e-3)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    bw = copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
+    results = []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    for n, v in shapes:
+        x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
+        t = torch.randint(0, v, (n,), device="cuda")
+        loss = torch.empty(n, device="cuda")
+        lse = torch.empty(n, device="cuda")
+        g = torch.randn(n, device="cuda")
+        view = row_view(x)
+        dview = like_rows(view)
+        opts = dict(vocab_start=0, vocab_size=v, ignore_index=-100, smoothing=0.0, z_loss=0.0)
+        elems = n * v
+        fwd_cfgs = itertools.product([1024, 2048, 4096, 8192], [4, 8, 16])
+        bwd_cfgs = itertools.product([2048, 4096, 8192, 16384], [4, 8, 16, 32])
+        for phase, cfgs, bytes_per in [("fwd", fwd_cfgs, 2), ("bwd", bwd_cfgs, 4)]:
+            best = None
+            for block, warps in cfgs:
+                cfg = dict(BLOCK=block, num_warps=warps)
+                if phase == "fwd":
+                    K.forward_config = lambda *_a, c=cfg: c
+                    fn = lambda: K.forward(view, t, loss=loss, lse=lse, **opts)  # noqa: E731
+                else:
+                    K.backward_config = lambda *_a, c=cfg: c
+                    fn = lambda: K.backward(view, dview, t, lse, g, None, **opts)  # noqa: E731
+                try:
+                    fn()
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=60)
+                except Exception as e:  # a config the compiler rejects
+                    print(f"{phase} {n}x{v} {cfg} failed: {type(e).__name__}")
+                    continue
+                ratio = ms * 1e-3 / (bytes_per * elems / bw)
+                row = dict(phase=phase, n=n, v=v, block=block, num_warps=warps, ms=ms, ratio=ratio)
+                results.append(row)
+                if best is None or ms < best["ms"]:
+                    best = row
+            print(f"best {phase} {n}x{v}: BLOCK={best['block']} warps={best['num_warps']} "
+                  f"{best['ms']:.3f} ms ratio {best['ratio']:.3f}", flush=True)
+        del x, dview
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(bandwidth=bw, results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""The core loss on CUDA (run on the H200: ``pytest -m gpu tests/gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._oracle import full_vocab_loss_and_grad
+from vocab_parallel_loss import VocabParallelCrossEntropy, cross_entropy
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _case(n, v, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.randn(n, v, device="cuda", generator=g) * 4).to(dtype)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t[::7] = -100
+    up = torch.rand(n, device="cuda", generator=g)
+    return x, t, up
+
+
+@pytest.mark.parametrize("n,v", [(4096, 32000), (2048, 128256), (1024, 256000), (4096, 16032)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-4)])
+def test_real_shapes_match_fp64(n, v, dtype, smoothing, z_loss):
+    x, t, up = _case(n, v, dtype)
+    xr = x.detach().requires_grad_()
+    loss = cross_entropy(xr, t, label_smoothing=smoothing, z_loss=z_loss)
+    (grad,) = torch.autograd.grad(loss, xr, up)
+    ref_loss, ref_grad = full_vocab_loss_and_grad(x, t, up, label_smoothing=smoothing, z_loss=z_loss)
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-4, rtol=1e-5)
+    gtol = 2e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(grad.double(), ref_grad, atol=gtol, rtol=1e-2)
+
+
+def test_sbv_transposed_and_inplace():
+    x, t, up = _case(4096, 16032, torch.bfloat16)
+    sbv = x.view(64, 64, 16032).transpose(0, 1)  # [s, b, v] view of a [b, s, v] buffer
+    tt, uu = t.view(64, 64).t(), up.view(64, 64).t()
+    ref_loss, ref_grad = full_vocab_loss_and_grad(sbv, tt, uu)
+    for inplace in (False, True):
+        y = sbv.clone() if inplace else sbv.detach().requires_grad_()
+        src = y.detach().requires_grad_() if inplace else y
+        inp = src * 1 if inplace else src
+        loss = cross_entropy(inp, tt, inplace_backward=inplace)
+        (grad,) = torch.autograd.grad(loss, inp, uu)
+        torch.testing.assert_close(loss.double(), ref_loss, atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(grad.double(), ref_grad, atol=4e-3, rtol=1e-2)
+        if inplace:
+            assert grad.data_ptr() == inp.data_ptr()
+
+
+def test_more_than_2_pow_31_elements():
+    n, v = 8400, 256000  # 2.15e9 elements
+    assert n * v > 2**31
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    xr = x.requires_grad_()
+    loss = cross_entropy(xr, t)
+    (grad,) = torch.autograd.grad(loss.sum(), xr)
+    rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device="cuda")  # rows past 2^31 included
+    ref_loss, ref_grad = full_vocab_loss_and_grad(x.detach()[rows], t[rows])
+    torch.testing.assert_close(loss[rows].double(), ref_loss, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grad[rows].double(), ref_grad, atol=4e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_cuda_graph_capture_and_replay(reduction):
+    x, t, up = _case(2048, 32000, torch.bfloat16)
+    mod = VocabParallelCrossEntropy(reduction=reduction, label_smoothing=0.1)
+    static_x = x.clone().requires_grad_()
+    static_up = up if reduction == "none" else up[0]
+
+    def step():
+        loss = mod(static_x, t)
+        (grad,) = torch.autograd.grad(loss, static_x, static_up)
+        return loss, grad
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_loss, g_grad = step()
+    new_x, _, _ = _case(2048, 32000, torch.bfloat16, seed=7)
+    with torch.no_grad():
+        static_x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    e_loss, e_grad = step()
+    assert torch.equal(g_loss, e_loss) and torch.equal(g_grad, e_grad)
+
+
+def test_deterministic_on_gpu():
+    x, t, up = _case(4096, 32000, torch.bfloat16)
+    xr = x.requires_grad_()
+    out = []
+    for _ in range(2):
+        loss = cross_entropy(xr, t, label_smoothing=0.1)
+        out.append((loss, torch.autograd.grad(loss, xr, up)[0]))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1])
