@@ -138,6 +138,11 @@ def _backend(impl: str, t: torch.Tensor):
         return _TorchBackend
     triton_ok = _triton_kernels is not None and (
         t.is_cuda or (t.device.type == "cpu" and _interpreting()))
+    if t.dtype == torch.float64:  # the kernels accumulate in fp32: fp64 inputs use PyTorch
+        if impl == "triton":
+            raise ValueError("impl='triton' supports fp32, bf16 and fp16 inputs; "
+                             "use impl='torch' for float64")
+        return _TorchBackend
     if impl == "triton":
         if _triton_kernels is None:
             raise ValueError("impl='triton' but Triton could not be imported; use impl='torch'")

@@ -1,0 +1,287 @@
+"""Fused linear cross entropy, single process: both implementations against the fp64 oracle.
+
+``impl="triton"`` runs the Triton kernels through TRITON_INTERPRET=1 (tests/conftest.py) with
+the tiny interpreter tile config (forward split over 2 vocabulary ranges, several backward
+chunks), ``impl="torch"`` the chunked PyTorch path. Odd N, H and V exercise every mask.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+
+import pytest
+import torch
+
+from tests.linear._lce_oracle import lce_reference, reference_grads
+from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
+from vocab_parallel_loss.module_linear import VocabParallelLinearCrossEntropy
+
+lce_mod = importlib.import_module("vocab_parallel_loss.linear_cross_entropy")
+K = lce_mod._triton_kernels
+
+IMPLS = ["triton", "torch"]
+# (loss atol, grad tolerance relative to the largest gradient entry)
+TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-4, 2e-2)}
+
+
+@pytest.fixture(params=IMPLS)
+def impl(request):
+    if request.param == "triton" and K is None:
+        pytest.skip("triton not importable")
+    return request.param
+
+
+def make(n=37, h=24, v=53, dtype=torch.float32, seed=0, bias=False, lead=None, scale=1.0,
+         ignore_index=-100):
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, h) if lead is None else (*lead, h)
+    e = (torch.randn(shape, generator=g) * scale).to(dtype).requires_grad_()
+    c = (torch.randn(v, h, generator=g) * scale).to(dtype).requires_grad_()
+    b = (torch.randn(v, generator=g)).to(dtype).requires_grad_() if bias else None
+    t = torch.randint(0, v, shape[:-1], generator=g)
+    t[torch.rand(shape[:-1], generator=g) < 0.15] = ignore_index
+    return e, c, b, t
+
+
+def run(e, c, b, t, impl, upstream=None, **kw):
+    out = linear_cross_entropy(e, c, t, b, impl=impl, **kw)
+    g = torch.ones_like(out) if upstream is None else upstream.to(out.dtype).reshape(out.shape)
+    leaves = [e, c] + ([b] if b is not None else [])
+    grads = torch.autograd.grad(out, leaves, g)
+    return out.detach(), grads
+
+
+def assert_grads_close(got, want, dtype):
+    rtol = TOL[dtype][1]
+    for name, a, w in zip(("dE", "dC", "dbias"), got, want):
+        assert a.dtype == dtype, (name, a.dtype)
+        assert a.shape == w.shape, (name, a.shape, w.shape)
+        scale = w.abs().max().item() or 1.0
+        err = (a.double() - w).abs().max().item()
+        assert err <= rtol * scale + 1e-12, f"{name}: max err {err:.3g} vs scale {scale:.3g}"
+
+
+def check(impl, dtype=torch.float32, *, bias=False, lead=None, n=37, h=24, v=53, seed=0,
+          upstream=False, **kw):
+    e, c, b, t = make(n, h, v, dtype, seed, bias, lead, ignore_index=kw.get("ignore_index", -100))
+    red = kw.get("reduction", "mean")
+    up = None
+    if upstream and red == "none":
+        up = torch.randn(t[..., kw.get("shift", 0):].shape, generator=torch.Generator().manual_seed(9))
+    loss, grads = run(e, c, b, t, impl, up, **kw)
+    want, wgrads = reference_grads(e, c, t, b, up, **kw)
+    assert loss.dtype == torch.float32
+    assert loss.shape == want.shape
+    torch.testing.assert_close(loss.double(), want, atol=TOL[dtype][0] * max(1, want.abs().max().item()),
+                               rtol=TOL[dtype][0])
+    assert_grads_close(grads, wgrads, dtype)
+
+
+CASES = [
+    dict(reduction="mean"),
+    dict(reduction="sum"),
+    dict(reduction="none", upstream=True),
+    dict(reduction="mean", bias=True),
+    dict(reduction="none", softcap=4.0, upstream=True),
+    dict(reduction="mean", label_smoothing=0.1),
+    dict(reduction="sum", z_loss=1e-2),
+    dict(reduction="mean", shift=1),
+    dict(reduction="none", shift=1, lead=(3, 13), upstream=True),
+    dict(reduction="mean", bias=True, softcap=3.0, label_smoothing=0.2, z_loss=1e-3, shift=1),
+    dict(reduction="mean", ignore_index=5),
+    dict(reduction="mean", h=17, v=31, n=19),  # H not a multiple of the tile: masked K loop
+    dict(reduction="none", v=1, upstream=True),  # a single class
+    dict(reduction="mean", label_smoothing=1.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_fp32_matches_oracle(impl, case):
+    check(impl, torch.float32, **case)
+
+
+@pytest.mark.parametrize("case", [
+    dict(reduction="mean"),
+    dict(reduction="none", softcap=5.0, bias=True, upstream=True),
+    dict(reduction="mean", label_smoothing=0.1, z_loss=1e-3, shift=1, lead=(2, 19)),
+], ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_bf16_matches_oracle(impl, case):
+    check(impl, torch.bfloat16, **case)
+
+
+def test_return_lse_and_its_gradient(impl):
+    e, c, b, t = make(bias=True)
+    loss, lse = linear_cross_entropy(e, c, t, b, reduction="sum", return_lse=True, impl=impl)
+    want, wlse = lce_reference(e, c, t, b, reduction="sum")
+    torch.testing.assert_close(lse.double(), wlse.detach(), atol=1e-5, rtol=1e-5)
+    # gradient through both outputs: loss + sum(w * lse)
+    w = torch.randn(lse.shape, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(loss + (w * lse).sum(), (e, c, b))
+    leaves = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    l2, lse2 = lce_reference(*leaves[:2], t, leaves[2], reduction="sum")
+    wanted = torch.autograd.grad(l2 + (w.double() * lse2).sum(), leaves)
+    assert_grads_close(got, wanted, torch.float32)
+
+
+def test_all_ignored_gives_zero_not_nan(impl):
+    e, c, b, t = make(bias=True)
+    t.fill_(-100)
+    for red in ("mean", "sum", "none"):
+        loss, grads = run(e, c, b, t, impl, reduction=red)
+        assert torch.all(loss == 0)
+        for gr in grads:
+            assert torch.all(gr == 0)
+
+
+def test_empty_input(impl):
+    e, c, _, _ = make()
+    e0 = e.detach()[:0].requires_grad_()
+    t0 = torch.zeros(0, dtype=torch.long)
+    loss = linear_cross_entropy(e0, c, t0, impl=impl)
+    assert loss.item() == 0.0
+    de, dc = torch.autograd.grad(loss, (e0, c))
+    assert de.shape == (0, 24) and torch.all(dc == 0)
+    loss = linear_cross_entropy(e0, c, t0, reduction="none", impl=impl)
+    assert loss.shape == (0,)
+
+
+def test_out_of_range_target_is_nan_without_oob_read(impl):
+    e, c, _, t = make()
+    t[0] = 53
+    t[1] = -7
+    t[2] = 10 ** 12
+    loss = linear_cross_entropy(e, c, t, reduction="none", impl=impl)
+    assert torch.isnan(loss[:3]).all()
+    want, _ = lce_reference(e, c, t, reduction="none")
+    torch.testing.assert_close(loss[3:].double(), want[3:].detach(), atol=2e-5, rtol=2e-5)
+    assert torch.isnan(linear_cross_entropy(e, c, t, impl=impl))
+
+
+def test_deterministic_bitwise(impl):
+    e, c, b, t = make(bias=True, dtype=torch.bfloat16)
+    r1 = run(e, c, b, t, impl, reduction="mean", label_smoothing=0.1)
+    r2 = run(e, c, b, t, impl, reduction="mean", label_smoothing=0.1)
+    assert torch.equal(r1[0], r2[0])
+    for a, b_ in zip(r1[1], r2[1]):
+        assert torch.equal(a, b_)
+
+
+def test_strided_inputs(impl):
+    """Views with non-unit strides (a narrowed hidden dim, a transposed classifier)."""
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(37, 50, generator=g)
+    e = big[:, 1:49:2].requires_grad_()  # (37, 24) with stride (50, 2)
+    ct = torch.randn(24, 53, generator=g)
+    c = ct.t().requires_grad_()  # (53, 24) column-major
+    t = torch.randint(0, 53, (37,), generator=g)
+    loss, grads = run(e, c, None, t, impl, reduction="mean", softcap=6.0)
+    want, wgrads = reference_grads(e, c, t, None, reduction="mean", softcap=6.0)
+    torch.testing.assert_close(loss.double(), want, atol=2e-5, rtol=2e-5)
+    assert_grads_close(grads, wgrads, torch.float32)
+
+
+def test_impls_agree_and_only_needed_grads(impl):
+    e, c, b, t = make(bias=True)
+    c2 = c.detach()  # no grad for c: the kernel skips dC
+    loss = linear_cross_entropy(e, c2, t, b.detach(), impl=impl)
+    (de,) = torch.autograd.grad(loss, (e,))
+    _, (wde, _, _) = reference_grads(e, c, t, b)
+    assert_grads_close((de,), (wde,), torch.float32)
+
+
+@pytest.mark.skipif(K is None, reason="triton not importable")
+@pytest.mark.parametrize("cfg", [
+    dict(split=1, chunk_bytes=1 << 30),
+    dict(split=3, fwd_block_v=16, bwd_block_v=16, bwd_block_n=32, mm_block_k=32, chunk_bytes=256),
+], ids=["one-split-one-chunk", "three-splits-many-chunks"])
+def test_triton_tile_configs(cfg, monkeypatch):
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
+    check("triton", torch.float32, bias=True, softcap=5.0, label_smoothing=0.1, reduction="none",
+          upstream=True)
+
+
+def test_module(impl):
+    e, c, b, t = make(lead=(2, 19))
+    mod = VocabParallelLinearCrossEntropy(reduction="sum", shift=1, label_smoothing=0.05,
+                                          impl=impl)
+    assert "shift=1" in repr(mod)
+    loss = mod(e, c, t)
+    want, _ = lce_reference(e, c, t, reduction="sum", shift=1, label_smoothing=0.05)
+    torch.testing.assert_close(loss.double(), want.detach(), atol=1e-4, rtol=2e-5)
+    mod2 = VocabParallelLinearCrossEntropy(return_lse=True, impl=impl)
+    out, lse = mod2(e, c, t, b)
+    assert lse.shape == t.shape
+
+
+def test_auto_uses_triton_under_interpreter():
+    e, c, _, t = make()
+    assert lce_mod._backend("auto", e) is (K if K is not None else lce_mod._TorchBackend)
+    assert lce_mod._backend("torch", e) is lce_mod._TorchBackend
+
+
+def test_fp64_inputs_fall_back_to_torch():
+    e, c, _, t = make(dtype=torch.float64)
+    loss = linear_cross_entropy(e, c, t)
+    want, _ = lce_reference(e, c, t)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------ errors
+
+
+def test_errors():
+    e, c, b, t = make(bias=True)
+    with pytest.raises(ValueError, match="hidden size"):
+        linear_cross_entropy(e, c[:, :-1], t)
+    with pytest.raises(ValueError, match="target shape"):
+        linear_cross_entropy(e, c, t[:-1])
+    with pytest.raises(ValueError, match="dtype"):
+        linear_cross_entropy(e, c.double(), t)
+    with pytest.raises(ValueError, match="bias"):
+        linear_cross_entropy(e, c, t, b[:-1])
+    with pytest.raises(ValueError, match="dtype"):
+        linear_cross_entropy(e, c, t, b.double())
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(e, c, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        linear_cross_entropy(e, c, t, label_smoothing=-0.1)
+    with pytest.raises(ValueError, match="reduction"):
+        linear_cross_entropy(e, c, t, reduction="avg")
+    with pytest.raises(ValueError, match="impl"):
+        linear_cross_entropy(e, c, t, impl="cuda")
+    with pytest.raises(ValueError, match="z_loss"):
+        linear_cross_entropy(e, c, t, z_loss=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        linear_cross_entropy(e, c, t, softcap=0.0)
+    with pytest.raises(ValueError, match="shift"):
+        linear_cross_entropy(e, c, t, shift=-1)
+    with pytest.raises(ValueError, match="c must be"):
+        linear_cross_entropy(e, c[0], t)
+    with pytest.raises(ValueError, match="at least one leading"):
+        linear_cross_entropy(e[0], c, t[0])
+    with pytest.raises(TypeError, match="floating"):
+        linear_cross_entropy(e.detach().long(), c.detach().long(), t)
+    with pytest.raises(TypeError, match="floating"):
+        linear_cross_entropy(e, c.detach().long(), t)
+    with pytest.raises(TypeError, match="integer"):
+        linear_cross_entropy(e, c, t.float())
+    with pytest.raises(ValueError, match="impl"):
+        VocabParallelLinearCrossEntropy(impl="nope")
+    if torch.device("meta") is not None:
+        with pytest.raises(ValueError, match="device"):
+            linear_cross_entropy(e, c, t.to("meta"))
+
+
+def test_triton_on_plain_cpu_is_a_clear_error(monkeypatch):
+    if K is None:
+        pytest.skip("triton not importable")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    e, c, _, t = make()
+    with pytest.raises(ValueError, match="impl='triton' needs"):
+        linear_cross_entropy(e, c, t, impl="triton")
+    # auto falls back to torch and still computes the right loss
+    loss = linear_cross_entropy(e, c, t)
+    want, _ = lce_reference(e, c, t)
+    assert math.isclose(loss.item(), want.item(), rel_tol=1e-5)
