@@ -1,0 +1,224 @@
+"""Patched (fused linear loss, no logits) vs unpatched transformers causal LMs, on CPU."""
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import vocab_parallel_loss.transformers as vh  # noqa: E402
+
+from ._models import FAMILIES, make_batch, make_model  # noqa: E402
+
+LOSS_ATOL = 1e-5
+
+
+def _loss_and_grads(model, **inputs):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs)
+    out.loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+def _assert_grads_close(ref, got):
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("num_items", [None, 23], ids=["mean", "num_items_in_batch"])
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_loss_and_grads_match(model_type, num_items):
+    model = make_model(model_type)
+    ids, mask, labels = make_batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if num_items is not None:  # as the Trainer passes it under gradient accumulation
+        inputs["num_items_in_batch"] = torch.tensor(num_items)
+    ref, ref_grads = _loss_and_grads(model, **inputs)
+
+    assert vh.patch(model, impl="torch") is model
+    assert vh.is_patched(model)
+    got, got_grads = _loss_and_grads(model, **inputs)
+
+    assert got.logits is None
+    assert got.loss.dtype == torch.float32
+    assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL, (got.loss.item(), ref.loss.item())
+    _assert_grads_close(ref_grads, got_grads)
+    if num_items is not None:
+        n_valid = int((labels[:, 1:] != -100).sum())
+        mean = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+        torch.testing.assert_close(got.loss, mean * n_valid / num_items)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_final_logit_softcapping(model_type):
+    cap = 1.5
+    model = make_model(model_type, final_logit_softcapping=cap)
+    ids, mask, labels = make_batch()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30.0)  # logits of a few units, where the cap bites
+        ref = model(input_ids=ids, labels=labels).loss
+        vh.patch(model, impl="torch")
+        got = model(input_ids=ids, labels=labels).loss
+        model.config.final_logit_softcapping = None
+        uncapped = model(input_ids=ids, labels=labels).loss
+    assert abs(got.item() - ref.item()) <= LOSS_ATOL
+    assert abs(uncapped.item() - ref.item()) > 1e-3  # the cap does change this loss
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "qwen3"])
+def test_training_loop_same_losses(model_type):
+    def train(patched):
+        model = make_model(model_type, seed=3)
+        if patched:
+            vh.patch(model, impl="torch")
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses = []
+        for step in range(4):
+            ids, mask, labels = make_batch(seed=10 + step)
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ref, got = train(False), train(True)
+    assert ref[0] != ref[-1]  # the model did train
+    for a, b in zip(ref, got):
+        assert abs(a - b) <= 1e-4, (ref, got)
+
+
+def test_no_labels_unchanged_and_generate():
+    model = make_model("llama").eval()
+    ids, mask, _ = make_batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+        ref_last = model(input_ids=ids, logits_to_keep=1).logits
+        ref_gen = model.generate(ids[:1], max_new_tokens=3, do_sample=False)
+        vh.patch(model, impl="torch")
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits, ref,
+                                   rtol=0, atol=0)
+        torch.testing.assert_close(model(input_ids=ids, logits_to_keep=1).logits, ref_last,
+                                   rtol=0, atol=0)
+        assert torch.equal(model.generate(ids[:1], max_new_tokens=3, do_sample=False), ref_gen)
+
+
+def test_logits_never_materialised():
+    model = make_model("qwen2")
+    vh.patch(model, impl="torch")
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(out.numel()))
+    ids, mask, labels = make_batch()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits is None and seen == [0]
+    assert "forward" not in model.lm_head.__dict__  # the stub is gone after the call
+    out.loss.backward()
+
+
+def test_positional_labels_return_dict_false_and_shift_labels():
+    model = make_model("mistral")
+    ids, mask, labels = make_batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels)
+        vh.patch(model, impl="torch")
+        # labels positionally: (input_ids, attention_mask, position_ids, cache/past, inputs_embeds, labels)
+        tup = model(ids, None, None, None, None, labels, return_dict=False)
+        assert isinstance(tup, tuple)
+        assert abs(tup[0].item() - ref.loss.item()) <= LOSS_ATOL
+        assert not any(torch.is_tensor(t) and t.shape[-1:] == (model.config.vocab_size,)
+                       for t in tup[1:])
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        got = model(input_ids=ids, shift_labels=shifted).loss
+        assert abs(got.item() - ref.loss.item()) <= LOSS_ATOL
+
+
+def test_reductions():
+    model = make_model("phi3")
+    ids, mask, labels = make_batch()
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels).loss
+        vh.patch(model, impl="torch", reduction="sum")
+        total = model(input_ids=ids, labels=labels).loss
+        vh.patch(model, impl="torch", reduction="none")  # re-patching replaces the options
+        per_token = model(input_ids=ids, labels=labels).loss
+    n_valid = int((labels[:, 1:] != -100).sum())
+    torch.testing.assert_close(total, ref * n_valid)
+    assert per_token.shape == labels.shape
+    assert torch.all(per_token[:, -1] == 0) and torch.all(per_token[0, :2] == 0)
+    torch.testing.assert_close(per_token.sum(), total)
+
+
+def test_train_only_keeps_logits_in_eval():
+    model = make_model("qwen3")
+    vh.patch(model, impl="torch", train_only=True)
+    ids, mask, labels = make_batch()
+    assert model(input_ids=ids, labels=labels).logits is None
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+    assert out.logits is not None and out.logits.shape == (*ids.shape, model.config.vocab_size)
+
+
+def test_patch_model_type_and_instance_scope():
+    ids, mask, labels = make_batch()
+    a, b = make_model("llama"), make_model("llama")
+    vh.patch(a, impl="torch")
+    assert a(input_ids=ids, labels=labels).logits is None
+    assert b(input_ids=ids, labels=labels).logits is not None  # only that instance
+    vh.unpatch(a)
+    assert not vh.is_patched(a)
+    assert a(input_ids=ids, labels=labels).logits is not None
+
+    cls = transformers.LlamaForCausalLM
+    original = cls.forward
+    try:
+        assert vh.patch("llama", impl="torch") is cls
+        assert vh.is_patched("llama")
+        c = make_model("llama")  # created after the patch
+        ref = make_model("qwen2")(input_ids=ids, labels=labels)  # other families untouched
+        assert ref.logits is not None
+        for m in (b, c):
+            out = m(input_ids=ids, labels=labels)
+            assert out.logits is None and torch.isfinite(out.loss)
+        vh.patch("llama", impl="torch")  # idempotent: does not wrap twice
+        assert cls.forward.__wrapped__ is original
+    finally:
+        vh.unpatch("llama")
+    assert cls.forward is original
+    assert b(input_ids=ids, labels=labels).logits is not None
+
+
+def test_unsupported_raises():
+    with pytest.raises(ValueError, match="llama.*qwen3|supported model types"):
+        vh.patch("gpt2")
+    config = transformers.GPT2Config(vocab_size=101, n_embd=32, n_layer=1, n_head=4, n_positions=16)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported model types"):
+        vh.patch(transformers.GPT2LMHeadModel(config))
+    seq_cls = transformers.LlamaForSequenceClassification(make_model("llama").config)
+    with pytest.raises(ValueError, match="supported model types: gemma2, gemma3"):
+        vh.patch(seq_cls)
+    with pytest.raises(ValueError, match="reduction"):
+        vh.patch("llama", reduction="avg")
+
+
+def _triton_on_cpu() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not _triton_on_cpu(), reason="needs Triton with TRITON_INTERPRET=1 on CPU")
+def test_triton_impl_under_interpreter():
+    model = make_model("gemma2", num_hidden_layers=1)
+    ids, mask, labels = make_batch(batch=1)
+    ref, ref_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    vh.patch(model, impl="triton")
+    got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    assert got.logits is None
+    assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL
+    _assert_grads_close(ref_grads, got_grads)

@@ -1,0 +1,321 @@
+"""Patch Hugging Face causal-LM forwards so that the loss never materialises the logits.
+
+How: the patched forward runs the model's *own* forward with ``labels=None`` while the LM head is
+swapped, for that call only, for a stub that records its input (the final hidden states, after
+any ``logits_to_keep`` slicing) and returns an empty tensor. Everything model-specific (argument
+names, caches, masks, deprecations, output classes) stays the original code of the installed
+transformers version; only the loss is ours: ``linear_cross_entropy`` on those hidden states and
+``lm_head.weight``, with the shift, ignore index, ``num_items_in_batch`` and (Gemma 2/3) final
+logit softcapping that transformers uses. The output is the original output class with ``loss``
+set and ``logits=None``.
+
+Without labels (generation, evaluation without a loss) the original forward is called unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import types
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from ._loss import REDUCTIONS, causal_lm_loss
+
+# model_type -> (transformers.models submodule, causal-LM class names)
+_FAMILIES = {
+    "llama": ("llama", ("LlamaForCausalLM",)),
+    "mistral": ("mistral", ("MistralForCausalLM",)),
+    "phi3": ("phi3", ("Phi3ForCausalLM",)),
+    "gemma2": ("gemma2", ("Gemma2ForCausalLM",)),
+    "gemma3": ("gemma3", ("Gemma3ForCausalLM",)),  # the text causal LM only
+    "gemma3_text": ("gemma3", ("Gemma3ForCausalLM",)),
+    "qwen2": ("qwen2", ("Qwen2ForCausalLM",)),
+    "qwen3": ("qwen3", ("Qwen3ForCausalLM",)),
+}
+SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+_MISSING = object()
+_WRAPPER_FLAG = "_vocab_parallel_loss_patch"
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    reduction: str = "mean"
+    impl: str = "auto"
+    train_only: bool = False
+    label_smoothing: float = 0.0
+    z_loss: float = 0.0
+
+
+def _unsupported(what: str) -> ValueError:
+    return ValueError(
+        f"vocab_parallel_loss.transformers.patch does not support {what}; supported model types: "
+        f"{', '.join(SUPPORTED_MODEL_TYPES)} (their *ForCausalLM classes)"
+    )
+
+
+def _classes_for(model_type: str) -> list:
+    module_name, class_names = _FAMILIES[model_type]
+    try:
+        module = importlib.import_module(f"transformers.models.{module_name}.modeling_{module_name}")
+    except ImportError as exc:
+        raise ValueError(
+            f"model type {model_type!r} is not available in the installed transformers: {exc}"
+        ) from exc
+    return [getattr(module, name) for name in class_names if hasattr(module, name)]
+
+
+def _supported_classes() -> tuple:
+    found = []
+    for model_type in _FAMILIES:
+        try:
+            found.extend(_classes_for(model_type))
+        except ValueError:
+            continue
+    return tuple(found)
+
+
+def _unwrap(fn):
+    """The forward that was there before our patch (ours carries it)."""
+    while getattr(fn, _WRAPPER_FLAG, None) is not None:
+        fn = getattr(fn, _WRAPPER_FLAG)[0]
+    return fn
+
+
+def _positional_names(fn) -> tuple[list, bool]:
+    """Names of the parameters that can be given positionally (after ``self``); has **kwargs."""
+    params = list(inspect.signature(fn).parameters.values())
+    if params and params[0].name == "self":
+        params = params[1:]
+    names = []
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+        else:
+            break
+    has_var_kw = any(p.kind == p.VAR_KEYWORD for p in params)
+    accepts_return_dict = has_var_kw or any(p.name == "return_dict" for p in params)
+    return names, accepts_return_dict
+
+
+def _usable_head(lm_head) -> bool:
+    if not isinstance(lm_head, nn.Linear):  # e.g. a PEFT LoRA layer on the head: fall back
+        return False
+    w = lm_head.weight
+    return w.is_floating_point() and w.device.type != "meta"
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(msg: str) -> None:
+    warnings.warn(msg, stacklevel=3)
+
+
+def _make_forward(original: Callable, signature_of: Callable, options: PatchOptions) -> Callable:
+    """``original(self, *args, **kwargs)`` is the forward to defer to; ``signature_of`` names its
+    parameters (the class's function, followed through decorators)."""
+    names, accepts_return_dict = _positional_names(signature_of)
+
+    @functools.wraps(signature_of)
+    def forward(self, *args, **kwargs):
+        if options.train_only and not self.training:
+            return original(self, *args, **kwargs)
+        if len(args) > len(names):
+            return original(self, *args, **kwargs)
+        call = dict(zip(names, args))
+        if any(k in call for k in kwargs):
+            return original(self, *args, **kwargs)  # let the original raise its TypeError
+        call.update(kwargs)
+        labels = call.get("labels")
+        shift_labels = call.get("shift_labels")
+        if labels is None and shift_labels is None:
+            return original(self, *args, **kwargs)
+        lm_head = getattr(self, "lm_head", None)
+        if not _usable_head(lm_head):
+            _warn_once(
+                f"vocab_parallel_loss.transformers: {type(self).__name__}.lm_head is "
+                f"{type(lm_head).__name__}, not a plain floating-point nn.Linear; using the "
+                "original forward (logits are materialised)"
+            )
+            return original(self, *args, **kwargs)
+
+        num_items_in_batch = call.get("num_items_in_batch")
+        ignore_index = call.get("ignore_index", -100)
+        return_dict = call.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        if accepts_return_dict:
+            call["return_dict"] = True
+        call["labels"] = None
+
+        captured = []
+
+        def capture(hidden_states, *unused_args, **unused_kwargs):
+            captured.append(hidden_states)
+            return hidden_states.new_empty(hidden_states.shape[:-1] + (0,))
+
+        previous = lm_head.__dict__.get("forward", _MISSING)  # e.g. an accelerate hook
+        lm_head.forward = capture
+        try:
+            out = original(self, **call)
+        finally:
+            if previous is _MISSING:
+                del lm_head.forward
+            else:
+                lm_head.forward = previous
+        if len(captured) != 1:
+            raise RuntimeError(
+                f"vocab_parallel_loss.transformers: {type(self).__name__}.forward called lm_head "
+                f"{len(captured)} times, expected once; unpatch this model"
+            )
+
+        loss = causal_lm_loss(
+            captured[0],
+            lm_head.weight,
+            labels,
+            bias=lm_head.bias,
+            shift_labels=shift_labels,
+            num_items_in_batch=num_items_in_batch,
+            ignore_index=ignore_index,
+            softcap=getattr(self.config, "final_logit_softcapping", None),
+            reduction=options.reduction,
+            impl=options.impl,
+            label_smoothing=options.label_smoothing,
+            z_loss=options.z_loss,
+        )
+        return _with_loss(out, loss, return_dict)
+
+    setattr(forward, _WRAPPER_FLAG, (original, options))
+    return forward
+
+
+def _with_loss(out, loss, return_dict: bool):
+    if isinstance(out, tuple):  # a forward that ignored return_dict=True: (logits, *rest)
+        return (loss,) + tuple(out[1:])
+    fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+    new = type(out)(loss=loss, **fields)
+    return new if return_dict else new.to_tuple()
+
+
+def _check_options(reduction, impl, train_only, label_smoothing, z_loss) -> PatchOptions:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    return PatchOptions(
+        reduction=reduction,
+        impl=impl,
+        train_only=bool(train_only),
+        label_smoothing=float(label_smoothing),
+        z_loss=float(z_loss),
+    )
+
+
+def _base_model(model):
+    """The transformers model inside a PEFT wrapper (patched in place), else the model."""
+    get_base = getattr(model, "get_base_model", None)
+    if callable(get_base) and not hasattr(model, "lm_head"):
+        return get_base()
+    return model
+
+
+def patch(
+    model_or_model_type,
+    *,
+    reduction: str = "mean",
+    impl: str = "auto",
+    train_only: bool = False,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+):
+    """Make a causal LM compute its training loss with ``linear_cross_entropy``.
+
+    ``model_or_model_type``: a model instance (only that instance is patched; a PEFT wrapper is
+    patched through its base model) or a model type string such as ``"llama"`` (the forward of
+    that family's ``*ForCausalLM`` class is patched, for every model of that type, existing or
+    loaded later). When ``labels`` (or ``shift_labels``) are given, the loss is computed from the
+    final hidden states and ``lm_head.weight`` without materialising the logits and the output's
+    ``logits`` is ``None``; otherwise the original forward runs unchanged.
+
+    ``reduction``: ``"mean"`` matches transformers exactly (mean over non-ignored tokens, or their
+    sum divided by ``num_items_in_batch`` when the ``Trainer`` passes it); ``"sum"``; ``"none"``
+    (per-token losses in the shape of the shifted labels). ``impl`` is passed to
+    ``linear_cross_entropy`` (``"auto"``, ``"triton"``, ``"torch"``). ``train_only=True`` keeps the
+    original forward (with logits) in eval mode, e.g. for metrics that need logits.
+    ``label_smoothing`` and ``z_loss`` are extras transformers' loss does not have (0 = off).
+
+    Returns the patched model (or, for a type string, the patched class).
+    """
+    options = _check_options(reduction, impl, train_only, label_smoothing, z_loss)
+    if isinstance(model_or_model_type, str):
+        model_type = model_or_model_type
+        if model_type not in _FAMILIES:
+            raise _unsupported(f"model type {model_type!r}")
+        classes = _classes_for(model_type)
+        if not classes:
+            raise _unsupported(f"model type {model_type!r} in this transformers version")
+        for cls in classes:
+            original = _unwrap(cls.forward)
+            cls.forward = _make_forward(original, original, options)
+        return classes[0]
+
+    model = model_or_model_type
+    target = _base_model(model)
+    if not isinstance(target, nn.Module):
+        raise TypeError(f"patch expects a model or a model type string, got {type(model).__name__}")
+    if not isinstance(target, _supported_classes()):
+        model_type = getattr(getattr(target, "config", None), "model_type", None)
+        raise _unsupported(f"{type(target).__name__} (model type {model_type!r})")
+    class_forward = _unwrap(type(target).forward)
+    previous = target.__dict__.get("forward", _MISSING)
+    if previous is not _MISSING and getattr(previous, "__func__", None) is not None and getattr(
+        previous.__func__, _WRAPPER_FLAG, None
+    ) is not None:
+        previous = getattr(previous.__func__, _WRAPPER_FLAG)[0]  # re-patch: replace our options
+        original = previous
+    elif previous is not _MISSING:  # an instance-level forward (e.g. an accelerate hook): keep it
+        instance_forward = previous
+        original = lambda self, *a, **k: instance_forward(*a, **k)  # noqa: E731
+        setattr(original, "_vpl_instance_forward", instance_forward)
+    else:
+        original = class_forward
+    target.forward = types.MethodType(_make_forward(original, class_forward, options), target)
+    return model
+
+
+def unpatch(model_or_model_type):
+    """Undo :func:`patch` for that model instance or model type. Returns the model or class."""
+    if isinstance(model_or_model_type, str):
+        if model_or_model_type not in _FAMILIES:
+            raise _unsupported(f"model type {model_or_model_type!r}")
+        classes = _classes_for(model_or_model_type)
+        for cls in classes:
+            cls.forward = _unwrap(cls.forward)
+        return classes[0] if classes else None
+    model = model_or_model_type
+    target = _base_model(model)
+    current = target.__dict__.get("forward", _MISSING)
+    func = getattr(current, "__func__", None)
+    if current is not _MISSING and func is not None and getattr(func, _WRAPPER_FLAG, None):
+        original = getattr(func, _WRAPPER_FLAG)[0]
+        instance_forward = getattr(original, "_vpl_instance_forward", None)
+        if instance_forward is not None:
+            target.forward = instance_forward
+        else:
+            del target.forward
+    return model
+
+
+def is_patched(model_or_model_type) -> bool:
+    """Whether :func:`patch` is in effect for that model instance or model type."""
+    if isinstance(model_or_model_type, str):
+        if model_or_model_type not in _FAMILIES:
+            return False
+        return any(getattr(c.forward, _WRAPPER_FLAG, None) is not None
+                   for c in _classes_for(model_or_model_type))
+    target = _base_model(model_or_model_type)
+    fwd = getattr(target, "forward", None)
+    return getattr(getattr(fwd, "__func__", fwd), _WRAPPER_FLAG, None) is not None
