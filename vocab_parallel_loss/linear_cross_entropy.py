@@ -262,7 +262,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                           need_de, need_dc, need_db)
         de = None
         if need_de:
-            de32 = distributed.all_reduce_sum(de32, o.group)
+            if not o.sequence_parallel:  # else the reduce-scatter below does the sum
+                de32 = distributed.all_reduce_sum(de32, o.group)
             if o.shift:
                 full = torch.zeros(tuple(full_shape), dtype=torch.float32, device=dev)
                 full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
