@@ -49,12 +49,13 @@ def main() -> None:
         dview = like_rows(view)
         opts = dict(vocab_start=0, vocab_size=v, ignore_index=-100, smoothing=0.0, z_loss=0.0)
         elems = n * v
-        fwd_cfgs = itertools.product([1024, 2048, 4096, 8192], [4, 8, 16])
-        bwd_cfgs = itertools.product([2048, 4096, 8192, 16384], [4, 8, 16, 32])
+        fwd_cfgs = [dict(BLOCK=b, VEC=vec, num_warps=w) for b, vec, w in
+                    itertools.product([2048, 4096, 8192, 16384], [8, 16], [2, 4, 8, 16])]
+        bwd_cfgs = [dict(BLOCK=b, num_warps=w) for b, w in
+                    itertools.product([4096, 8192, 16384], [4, 8, 16, 32])]
         for phase, cfgs, bytes_per in [("fwd", fwd_cfgs, 2), ("bwd", bwd_cfgs, 4)]:
             best = None
-            for block, warps in cfgs:
-                cfg = dict(BLOCK=block, num_warps=warps)
+            for cfg in cfgs:
                 if phase == "fwd":
                     K.forward_config = lambda *_a, c=cfg: c
                     fn = lambda: K.forward(view, t, loss=loss, lse=lse, **opts)  # noqa: E731
@@ -68,12 +69,11 @@ def main() -> None:
                     print(f"{phase} {n}x{v} {cfg} failed: {type(e).__name__}")
                     continue
                 ratio = ms * 1e-3 / (bytes_per * elems / bw)
-                row = dict(phase=phase, n=n, v=v, block=block, num_warps=warps, ms=ms, ratio=ratio)
+                row = dict(phase=phase, n=n, v=v, **cfg, ms=ms, ratio=ratio)
                 results.append(row)
                 if best is None or ms < best["ms"]:
                     best = row
-            print(f"best {phase} {n}x{v}: BLOCK={best['block']} warps={best['num_warps']} "
-                  f"{best['ms']:.3f} ms ratio {best['ratio']:.3f}", flush=True)
+            print(f"best {phase} {n}x{v}: {best}", flush=True)
         del x, dview
     if args.out:
         with open(args.out, "w") as f:
