@@ -103,6 +103,7 @@ def check_holds_loss(ps):
     assert isinstance(model.vocab_parallel_loss, VocabParallelCrossEntropy), type(model.vocab_parallel_loss)
     assert "vocab_parallel_loss" in dict(model.named_children()), "the loss must be a registered submodule"
     group = model.vocab_parallel_loss.tp_group
+    assert group is not None, "the loss must run on the model's TP group, not as a single shard"
     expected = ps.get_tensor_model_parallel_group()
     assert dist.get_process_group_ranks(group) == dist.get_process_group_ranks(expected)
     assert model.vocab_parallel_loss.label_smoothing == 0.1 and model.vocab_parallel_loss.z_loss == 1e-4
@@ -140,7 +141,11 @@ def check_loss_matches_native(ps):
 
     model = build(VocabParallelLossConfig(enabled=True))
     x = local.clone().requires_grad_(True)
+    seen = []  # the loss must get the output layer's logits as they are: no copy, no transpose
+    inner = model.vocab_parallel_loss.forward
+    model.vocab_parallel_loss.forward = lambda lg, t: (seen.append((lg.data_ptr(), lg.stride())), inner(lg, t))[1]
     loss = model.compute_language_model_loss(labels, x)
+    assert seen == [(x.data_ptr(), x.stride())], (seen, x.data_ptr(), x.stride())
     assert loss.shape == (BATCH, SEQ) and loss.dtype == torch.float32, (loss.shape, loss.dtype)
     loss.backward(upstream)
 
@@ -149,6 +154,13 @@ def check_loss_matches_native(ps):
     ref.backward(upstream)
     out["loss_vs_native"] = close("loss vs megatron-core", loss, ref, 1e-5, 1e-6)
     out["grad_vs_native"] = close("dlogits vs megatron-core", x.grad, y.grad, 1e-6)
+
+    # In-place backward: the gradient lands in the logits buffer, and is still megatron-core's.
+    model = build(VocabParallelLossConfig(enabled=True, inplace_backward=True))
+    leaf = local.clone().requires_grad_(True)
+    x = leaf * 1.0  # a non-leaf buffer, as the output layer's logits are
+    model.compute_language_model_loss(labels, x).backward(upstream)
+    out["inplace_grad_vs_native"] = close("in-place dlogits vs megatron-core", leaf.grad, y.grad, 1e-6)
 
     # Label smoothing (global V, PyTorch's convention) and z-loss vs fp64 F.cross_entropy.
     a, z = 0.1, 1e-3
