@@ -56,9 +56,11 @@ class LCEConfig:
     ``fwd_*``: forward statistics kernel; ``bwd_*``: dlogits recompute kernel; ``mm_*``: the two
     gradient GEMMs. ``split``: vocabulary splits per row block in the forward (0 = choose so that
     the grid covers ``2 x`` the multiprocessors). ``chunk_bytes``: size of the ``(N, Vc)`` dlogits
-    buffer in backward (bigger = fewer, larger GEMMs; extra memory). ``matmul``: ``"triton"`` (fp32
-    accumulation guaranteed) or ``"torch"`` (cuBLAS for ``dC``; ``dE`` still in Triton since it
-    must accumulate into fp32).
+    buffer in backward (bigger = fewer, larger GEMMs; extra memory). ``matmul``: the two gradient
+    GEMMs in ``"triton"`` (``_mm_kernel``) or ``"torch"`` (cuBLAS through ``torch.addmm`` /
+    ``torch.mm`` with ``out_dtype=torch.float32``: fp32 accumulation and output, so ``dE``
+    accumulates in fp32 and ``dC`` is rounded once; falls back to Triton where that overload is
+    missing). CPU (interpreter) always uses Triton.
     """
 
     fwd_block_n: int = 128
@@ -81,7 +83,7 @@ class LCEConfig:
     mm_warps: int = 8
     mm_stages: int = 3
     chunk_bytes: int = 128 * 1024 * 1024
-    matmul: str = "triton"
+    matmul: str = "torch"
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -100,6 +102,7 @@ INTERPRET_CONFIG = LCEConfig(
     bwd_block_n=16, bwd_block_v=32, bwd_block_h=16, bwd_group_n=2, bwd_warps=4, bwd_stages=1,
     mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
+    matmul="triton",
 )
 
 #: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and sweeps do this).
@@ -429,6 +432,52 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
     )
 
 
+_TORCH_DTYPE_MM = {"ok": True}
+
+
+def _use_torch_mm(a: torch.Tensor, cfg: LCEConfig) -> bool:
+    return cfg.matmul == "torch" and a.is_cuda and _TORCH_DTYPE_MM["ok"]
+
+
+def _torch_mm_failed(ex: Exception) -> None:
+    import warnings
+
+    _TORCH_DTYPE_MM["ok"] = False
+    warnings.warn(f"torch.mm/addmm with out_dtype=float32 unavailable ({ex!r}); "
+                  "using the Triton GEMM for the gradients", RuntimeWarning, stacklevel=3)
+
+
+def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and fp32 accumulation."""
+    if _use_torch_mm(a, cfg):
+        try:
+            if a.dtype == torch.float32:
+                acc.addmm_(a, b)
+            else:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
+            _torch_mm_failed(ex)
+    _mm(a, b, acc, True, cfg)
+
+
+def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig,
+               tmp: Optional[torch.Tensor]) -> None:
+    """``out = a @ b`` accumulated in fp32 and rounded once to ``out.dtype``."""
+    if _use_torch_mm(a, cfg):
+        try:
+            if a.dtype == torch.float32:
+                torch.mm(a, b, out=out)
+            else:
+                t = tmp[:out.shape[0]]
+                torch.mm(a, b, out_dtype=torch.float32, out=t)
+                out.copy_(t)
+            return
+        except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
+            _torch_mm_failed(ex)
+    _mm(a, b, out, False, cfg)
+
+
 def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
              targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
              softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
@@ -460,6 +509,9 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     vc = max(BV, (cfg.chunk_bytes // max(per_col, 1)) // BV * BV)
     vc = min(vc, triton.cdiv(V, BV) * BV)
     d = torch.empty((N, vc), dtype=e.dtype, device=dev)
+    tmp = None
+    if need_dc and _use_torch_mm(e, cfg) and e.dtype != torch.float32:
+        tmp = torch.empty((vc, H), dtype=torch.float32, device=dev)
     num_rb = triton.cdiv(N, BN)
     db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
     dot_prec = _dot_precision(e.dtype)
@@ -478,12 +530,9 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         )
         dz = d[:, :nc]
         if need_de:
-            _mm(dz, c[v0:v0 + nc], de, True, cfg)  # dE += dz @ c_chunk (fp32)
+            gemm_acc(de, dz, c[v0:v0 + nc], cfg)  # dE += dz @ c_chunk (fp32)
         if need_dc:
-            if cfg.matmul == "torch":
-                torch.mm(dz.t(), e, out=dc[v0:v0 + nc])
-            else:
-                _mm(dz.t(), e, dc[v0:v0 + nc], False, cfg)  # dC_chunk = dz.T @ e, rounded once
+            gemm_store(dc[v0:v0 + nc], dz.t(), e, cfg, tmp)  # dC_chunk = dz.T @ e, rounded once
         if need_dbias:
             db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
     return de, dc, db

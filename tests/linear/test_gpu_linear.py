@@ -1,0 +1,178 @@
+"""Fused linear cross entropy on CUDA with real shapes (run on the H200:
+``pytest -m gpu tests/linear/test_gpu_linear.py``).
+
+References are fp32 PyTorch on the materialized logits (``e.float() @ c.float().T``), which is
+exact up to fp32 summation order for bf16 inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
+
+K = importlib.import_module("vocab_parallel_loss.kernels.linear_cross_entropy")
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _case(n, h, v, dtype=torch.bfloat16, seed=0, bias=False, ignore_every=7):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    e = (torch.randn(n, h, device="cuda", generator=g) * 0.5).to(dtype)
+    c = (torch.randn(v, h, device="cuda", generator=g) * 0.05).to(dtype)
+    b = (torch.randn(v, device="cuda", generator=g) * 0.1).to(dtype) if bias else None
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    if ignore_every:
+        t[::ignore_every] = -100
+    up = torch.rand(n, device="cuda", generator=g)
+    return e, c, b, t, up
+
+
+def _reference(e, c, b, t, up, *, reduction, softcap=None, label_smoothing=0.0, z_loss=0.0):
+    leaves = [e.detach().float().requires_grad_(), c.detach().float().requires_grad_()]
+    if b is not None:
+        leaves.append(b.detach().float().requires_grad_())
+    x = leaves[0] @ leaves[1].t()
+    if b is not None:
+        x = x + leaves[2]
+    if softcap:
+        x = softcap * torch.tanh(x / softcap)
+    loss = F.cross_entropy(x, t, reduction="none", label_smoothing=label_smoothing)
+    keep = t != -100
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(x, -1) ** 2 * keep
+    if reduction == "mean":
+        loss = loss.sum() / keep.sum().clamp(min=1)
+    g = up if reduction == "none" else torch.ones_like(loss)
+    grads = torch.autograd.grad(loss, leaves, g)
+    return loss.detach(), grads
+
+
+def _run(e, c, b, t, up, **kw):
+    leaves = [e.detach().requires_grad_(), c.detach().requires_grad_()]
+    if b is not None:
+        leaves.append(b.detach().requires_grad_())
+    loss = linear_cross_entropy(leaves[0], leaves[1], t, leaves[2] if b is not None else None, **kw)
+    g = up if kw.get("reduction") == "none" else torch.ones_like(loss)
+    return loss.detach(), torch.autograd.grad(loss, leaves, g)
+
+
+def _close_grads(got, want, rtol):
+    for name, a, w in zip(("dE", "dC", "dbias"), got, want):
+        scale = w.abs().max().item()
+        err = (a.float() - w).abs().max().item()
+        assert err <= rtol * scale, f"{name}: max err {err:.3g} vs scale {scale:.3g}"
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("n,h,v", [(4096, 4096, 32000), (4096, 4096, 16032), (1000, 1536, 50257)])
+def test_bf16_real_shapes(impl, reduction, n, h, v):
+    e, c, b, t, up = _case(n, h, v)
+    loss, grads = _run(e, c, b, t, up, reduction=reduction, impl=impl)
+    want, wgrads = _reference(e, c, b, t, up, reduction=reduction)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+
+
+@pytest.mark.parametrize("matmul", ["triton", "torch"])
+def test_all_options_and_matmul_backends(matmul, monkeypatch):
+    cfg = K.default_config(torch.device("cuda")).replace(matmul=matmul)
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
+    e, c, b, t, up = _case(2048, 2048, 32003, bias=True)  # odd V: masked last tile
+    kw = dict(reduction="none", softcap=30.0, label_smoothing=0.1, z_loss=1e-4)
+    loss, grads = _run(e, c, b, t, up, impl="triton", **kw)
+    want, wgrads = _reference(e, c, b, t, up, **kw)
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes(dtype):
+    e, c, b, t, up = _case(1024, 1024, 8191, dtype=dtype)
+    loss, grads = _run(e, c, b, t, up, reduction="mean", impl="triton")
+    want, wgrads = _reference(e, c, b, t, up, reduction="mean")
+    torch.testing.assert_close(loss, want, atol=1e-4, rtol=1e-5)
+    _close_grads(grads, wgrads, 1e-2 if dtype == torch.float16 else 1e-4)
+
+
+def test_deterministic_bitwise():
+    e, c, b, t, up = _case(4096, 2048, 32000, bias=True)
+    r1 = _run(e, c, b, t, up, reduction="none", impl="triton")
+    r2 = _run(e, c, b, t, up, reduction="none", impl="triton")
+    assert torch.equal(r1[0], r2[0])
+    for a, b_ in zip(r1[1], r2[1]):
+        assert torch.equal(a, b_)
+
+
+def test_extra_memory_independent_of_vocab():
+    """Peak memory over inputs + gradients stays far below the logits' size."""
+    n, h, v = 16384, 1024, 128256
+    e, c, _, t, _ = _case(n, h, v)
+    e.requires_grad_()
+    c.requires_grad_()
+    for _ in range(2):  # second run: compiled, allocator warm
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = linear_cross_entropy(e, c, t, impl="triton")
+        de, dc = torch.autograd.grad(loss, (e, c))
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - de.numel() * 2 - dc.numel() * 2
+        del de, dc, loss
+    logits_bytes = n * v * 2
+    cfg = K.default_config(e.device)
+    bound = cfg.chunk_bytes + n * h * 4 * 2 + 64 * 2**20 + (4096 * h * 4)
+    assert extra < bound, (extra / 2**30, bound / 2**30)
+    assert extra < logits_bytes / 4
+
+
+@pytest.mark.parametrize("what", ["rows_x_hidden", "vocab_x_hidden", "rows_x_chunk"])
+def test_int64_offsets(what, monkeypatch):
+    """Tensors with more than 2^31 elements: E (N*H), C (V*H), the dlogits chunk (N*Vc)."""
+    if what == "rows_x_hidden":
+        n, h, v = 2**19 + 3, 4096, 256
+    elif what == "vocab_x_hidden":
+        n, h, v = 64, 4096, 2**19 + 5
+    else:
+        n, h, v = 65536, 64, 40000
+        monkeypatch.setattr(K, "OVERRIDE_CONFIG",
+                            K.default_config(torch.device("cuda")).replace(chunk_bytes=8 << 30))
+    e, c, b, t, up = _case(n, h, v)
+    loss, grads = _run(e, c, b, t, up, reduction="none", impl="triton")
+    want, wgrads = _reference(e, c, b, t, up, reduction="none")
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+    del grads, wgrads
+    torch.cuda.empty_cache()
+
+
+def test_cuda_graph_capture():
+    """No host synchronisation in forward or backward: the step captures into a CUDA graph."""
+    e, c, b, t, up = _case(2048, 1024, 16032)
+    e = e.detach().requires_grad_()
+    c = c.detach().requires_grad_()
+
+    def step():
+        loss = linear_cross_entropy(e, c, t, reduction="mean", label_smoothing=0.1, impl="triton")
+        return (loss, *torch.autograd.grad(loss, (e, c)))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            eager = step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b_ in zip(captured, eager):
+        assert torch.equal(a, b_)
