@@ -26,7 +26,13 @@ import os
 import sys
 import sysconfig
 import time
+import warnings
 from pathlib import Path
+
+# Expected here, and noisy on every rank: megatron-core's notes that TransformerEngine / Apex are
+# absent and on CUDA tuning; torch's rename of all_gather_into_tensor.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+warnings.filterwarnings("ignore", message=r".*(Transformer Engine|Apex|all_gather_into_tensor).*")
 
 import numpy as np
 import torch
@@ -101,14 +107,66 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def load_yaml(path: str) -> dict:
+    """The config file: PyYAML when installed, else flat ``key: value`` lines (what configs/ holds)."""
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    with open(path) as f:
+        text = f.read()
+    if yaml is not None:
+        return yaml.safe_load(text) or {}
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        key, _, value = line.partition(":")
+        value = value.strip()
+        low = value.lower()
+        if low in ("true", "false"):
+            out[key.strip()] = low == "true"
+            continue
+        for conv in (int, float):
+            try:
+                out[key.strip()] = conv(value)
+                break
+            except ValueError:
+                pass
+        else:
+            out[key.strip()] = value.strip("'\"")
+    return out
+
+
+def progress_bar(**kwargs):
+    """tqdm when installed, else a bar that only writes the per-step lines."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(**kwargs)
+    except ImportError:
+        class _Bar:
+            def write(self, line):
+                print(line, flush=True)
+
+            def set_postfix(self, **_):
+                pass
+
+            def update(self, _n=1):
+                pass
+
+            def close(self):
+                pass
+
+        return _Bar()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     pre, _ = parser.parse_known_args(argv)
     if pre.config:
-        import yaml
-
-        with open(pre.config) as f:
-            loaded = yaml.safe_load(f) or {}
+        loaded = load_yaml(pre.config)
         dests = {a.dest for a in parser._actions}
         defaults = {}
         for key, value in loaded.items():
@@ -384,10 +442,8 @@ def main(argv=None) -> dict:
                 logits.register_hook(lambda g: captured.__setitem__("grad", g.detach().clone()))
         model.output_layer.register_forward_hook(keep_logits)
 
-    from tqdm import tqdm
-
-    bar = tqdm(total=args.train_iters, disable=dist.get_rank() != 0 or args.no_progress_bar,
-               dynamic_ncols=True)
+    bar = progress_bar(total=args.train_iters, disable=dist.get_rank() != 0 or args.no_progress_bar,
+                       dynamic_ncols=True)
     tokens_per_step = args.micro_batch_size * args.seq_length * dp_size
     losses, times, diffs = [], [], []
     if device.type == "cuda":
@@ -483,7 +539,7 @@ def grad_diff(captured, n_tokens) -> float:
     grad, ref = captured.pop("grad", None), captured.pop("ref_grad", None)
     if grad is None or ref is None:
         return float("nan")
-    return float((grad.float() - ref).abs().max())
+    return float((grad.detach().float() - ref.detach()).abs().max())
 
 
 if __name__ == "__main__":

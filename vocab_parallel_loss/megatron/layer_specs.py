@@ -55,7 +55,7 @@ class SDPACoreAttention(MegatronModule):
         if not causal and mask_type != AttnMaskType.no_mask:
             raise ValueError(f"SDPACoreAttention supports causal and no_mask only, got {mask_type}")
         s, b, nq, hn = query.shape
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, hn]
+        q, k, v = (t.permute(1, 2, 0, 3).to(value.dtype) for t in (query, key, value))  # [b, n, s, hn]
         if k.size(1) != nq:  # grouped query attention
             k = k.repeat_interleave(nq // k.size(1), dim=1)
             v = v.repeat_interleave(nq // v.size(1), dim=1)
