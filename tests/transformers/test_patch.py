@@ -222,3 +222,70 @@ def test_triton_impl_under_interpreter():
     assert got.logits is None
     assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL
     _assert_grads_close(ref_grads, got_grads)
+
+
+def test_trainer_gradient_accumulation(tmp_path):
+    """The Trainer passes num_items_in_batch under gradient accumulation: same losses and
+    weights as unpatched."""
+    pytest.importorskip("accelerate")
+
+    def dataset():
+        rows = []
+        for i in range(8):
+            ids, mask, labels = make_batch(seed=100 + i, batch=1)
+            labels[0, : 1 + i % 5] = -100  # a different number of tokens per sample
+            rows.append(dict(input_ids=ids[0], attention_mask=mask[0], labels=labels[0]))
+        return rows
+
+    def train(patched):
+        model = make_model("llama", seed=5)
+        if patched:
+            vh.patch(model, impl="torch")
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / f"out{int(patched)}"), per_device_train_batch_size=2,
+            gradient_accumulation_steps=2, max_steps=2, learning_rate=0.05, logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+            dataloader_num_workers=0, remove_unused_columns=False, disable_tqdm=True,
+            lr_scheduler_type="constant", optim="sgd",
+        )
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset())
+        if patched:  # so the Trainer passes num_items_in_batch to the patched forward
+            assert trainer.model_accepts_loss_kwargs
+        trainer.train()
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    (ref_losses, ref_params), (losses, params) = train(False), train(True)
+    assert len(losses) == 2
+    for a, b in zip(ref_losses, losses):
+        assert abs(a - b) <= 1e-4, (ref_losses, losses)
+    for name in ref_params:
+        torch.testing.assert_close(params[name], ref_params[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing():
+    model = make_model("qwen2")
+    enable = getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)
+    enable()  # renamed in transformers 5.x
+    ids, mask, labels = make_batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    ref, ref_grads = _loss_and_grads(model, **inputs)
+    vh.patch(model, impl="torch")
+    got, got_grads = _loss_and_grads(model, **inputs)
+    assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL
+    _assert_grads_close(ref_grads, got_grads)
+
+
+def test_bf16_model():
+    """bf16 weights: transformers upcasts bf16 logits, the fused loss accumulates in fp32."""
+    model = make_model("gemma2").to(torch.bfloat16)
+    ids, mask, labels = make_batch()
+    ref, ref_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    vh.patch(model, impl="torch")
+    got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    assert got.loss.dtype == torch.float32
+    assert abs(got.loss.item() - ref.loss.item()) <= 2e-2 * abs(ref.loss.item())
+    for name in ref_grads:
+        assert got_grads[name].dtype == torch.bfloat16
+        err = (got_grads[name].float() - ref_grads[name].float()).norm()
+        assert err <= 5e-2 * ref_grads[name].float().norm() + 1e-6, name
