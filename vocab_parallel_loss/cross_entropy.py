@@ -17,6 +17,7 @@ import torch
 
 from . import _checks, distributed, reference
 from ._layout import RowView, like_rows, row_view
+from ._runtime import compiling
 
 try:  # Triton is optional at import time: the PyTorch path covers its absence
     from .kernels import cross_entropy as _triton_kernels
@@ -32,36 +33,51 @@ def _backend(t: torch.Tensor):
     return reference
 
 
+def forward_impl(logits, t, group, ignore_index, smoothing, z_loss):
+    """Per-token fp32 loss and lse of flat targets ``t``; returns (view, loss, lse, opts)."""
+    view = row_view(logits)
+    n, v_local = t.numel(), view.vocab
+    world, rank = distributed.world_size(group), distributed.rank(group)
+    opts = dict(vocab_size=v_local * world, ignore_index=ignore_index, smoothing=smoothing,
+                z_loss=z_loss)
+    backend = _backend(logits)
+    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    if n > 0:
+        if world == 1:
+            backend.forward(view, t, vocab_start=0, loss=loss, lse=lse, **opts)
+        else:
+            stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
+            backend.forward(view, t, vocab_start=rank * v_local, stats=stats, **opts)
+            gathered = distributed.gather_stats(stats, group)
+            backend.merge(gathered, t, loss, lse, **opts)
+    return view, loss, lse, dict(opts, vocab_start=rank * v_local)
+
+
+def backward_impl(view, t, lse, dloss, count, opts, inplace):
+    """The logits gradient: a new tensor, or written over ``view.tensor`` when ``inplace``."""
+    dloss = dloss.reshape(-1) if dloss.dim() else dloss
+    dview = view if inplace else like_rows(view)
+    if t.numel() > 0:
+        _backend(view.tensor).backward(view, dview, t, lse, dloss, count, **opts)
+    if inplace:
+        # the logits now hold their gradient: make any later use of them fail loudly
+        torch.autograd.graph.increment_version(view.tensor)
+    return dview.tensor
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, smoothing, z_loss, reduction,
                 inplace_backward):
-        view = row_view(logits)
         t = target.reshape(-1)
-        n, v_local = t.numel(), view.vocab
-        world, rank = distributed.world_size(group), distributed.rank(group)
-        opts = dict(vocab_size=v_local * world, ignore_index=ignore_index, smoothing=smoothing,
-                    z_loss=z_loss)
-        backend = _backend(logits)
-        loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n, dtype=torch.float32, device=logits.device)
-        if n > 0:
-            if world == 1:
-                backend.forward(view, t, vocab_start=0, loss=loss, lse=lse, **opts)
-            else:
-                stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
-                backend.forward(view, t, vocab_start=rank * v_local, stats=stats, **opts)
-                gathered = distributed.gather_stats(stats, group)
-                backend.merge(gathered, t, loss, lse, **opts)
-
+        view, loss, lse, opts = forward_impl(logits, t, group, ignore_index, smoothing, z_loss)
         count = (t != ignore_index).sum() if reduction == "mean" else None
         # view.tensor is the logits themselves except for layouts that needed a copy
         ctx.save_for_backward(view.tensor, t, lse, count)
         ctx.rows = (view.D1, view.s0, view.s1)
-        ctx.opts = dict(opts, vocab_start=rank * v_local)
+        ctx.opts = opts
         ctx.inplace_backward = inplace_backward
-        ctx.backend = backend
-
         if reduction == "none":
             return loss.view(target.shape)
         total = loss.sum()
@@ -70,16 +86,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dloss):
         logits, t, lse, count = ctx.saved_tensors
-        view = RowView(logits, *ctx.rows)
-        if t.numel() == 0:
-            return torch.zeros_like(logits), None, None, None, None, None, None, None
-        dloss = dloss.reshape(-1) if dloss.dim() else dloss
-        dview = view if ctx.inplace_backward else like_rows(view)
-        ctx.backend.backward(view, dview, t, lse, dloss, count, **ctx.opts)
-        if dview is view:
-            # the logits now hold their gradient: make any later use of them fail loudly
-            torch.autograd.graph.increment_version(logits)
-        return dview.tensor, None, None, None, None, None, None, None
+        grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, ctx.opts,
+                             ctx.inplace_backward)
+        return grad, None, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -117,9 +126,14 @@ def cross_entropy(
     distributed.check_equal_shards(v_local, tp_group, logits.device)
     if _checks.targets_check_requested(check_targets):
         _checks.check_target_range(target, v_local * distributed.world_size(tp_group), ignore_index)
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, int(ignore_index),
-                                            float(label_smoothing), float(z_loss), reduction,
-                                            bool(inplace_backward))
+    args = (logits, target, tp_group, int(ignore_index), float(label_smoothing), float(z_loss),
+            reduction, bool(inplace_backward))
+    if compiling():
+        from . import ops  # registered torch.library ops: traced by torch.compile, no graph break
+
+        return ops.cross_entropy(*args)
+    return _VocabParallelCrossEntropy.apply(*args)
+
 
 
 def parallel_cross_entropy(

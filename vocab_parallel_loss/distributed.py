@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from ._runtime import capturing, compiling
+
 ProcessGroup = Optional["dist.ProcessGroup"]
 
 
@@ -31,11 +33,21 @@ def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 _checked_shards: set = set()
+_groups_by_key: dict = {}
+
+
+def group_key(group: ProcessGroup) -> str:
+    """A string naming ``group`` (registered ops take strings, not process groups)."""
+    if group is None:
+        return ""
+    key = getattr(group, "group_name", None) or f"pg-{id(group)}"
+    _groups_by_key[key] = group
+    return key
+
+
+def group_from_key(key: str) -> ProcessGroup:
+    return _groups_by_key[key] if key else None
 
 
 def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.device) -> None:
@@ -49,7 +61,7 @@ def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.devic
     if n == 1:
         return
     key = (id(group), local_size)
-    if key in _checked_shards or _capturing() or _compiling():
+    if key in _checked_shards or capturing() or compiling():
         return
     mine = torch.tensor([local_size], dtype=torch.int64, device=device)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
@@ -61,13 +73,6 @@ def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.devic
             "every rank must hold the same number of vocabulary columns (pad the vocabulary)"
         )
     _checked_shards.add(key)
-
-
-def _compiling() -> bool:
-    try:
-        return torch.compiler.is_compiling()
-    except AttributeError:  # pragma: no cover - old torch
-        return False
 
 
 def gather_stats(stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""The loss as registered ``torch.library`` ops, the path taken under ``torch.compile``.
+
+Eager code uses the ``autograd.Function`` in cross_entropy.py (less dispatch overhead); while
+``torch.compile`` traces, ``cross_entropy()`` routes here instead, so the compiled graph holds two
+opaque ops with fake (meta) implementations and no graph break. The reduction is done with plain
+torch ops around the per-token op, so autograd hands the backward op a per-token gradient (an
+expanded scalar for ``"mean"``/``"sum"``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import distributed
+from ._layout import row_view
+from .cross_entropy import backward_impl, forward_impl
+
+_NS = "vocab_parallel_loss"
+
+
+@torch.library.custom_op(f"{_NS}::ce_forward", mutates_args=())
+def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_index: int,
+               smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _, loss, lse, _ = forward_impl(logits, target.reshape(-1), distributed.group_from_key(group),
+                                   ignore_index, smoothing, z_loss)
+    return loss, lse
+
+
+@ce_forward.register_fake
+def _(logits, target, group, ignore_index, smoothing, z_loss):
+    n = target.numel()
+    return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32))
+
+
+def _opts(logits, group, ignore_index, smoothing, z_loss):
+    g = distributed.group_from_key(group)
+    v_local = logits.shape[-1]
+    return dict(vocab_size=v_local * distributed.world_size(g), ignore_index=ignore_index,
+                smoothing=smoothing, z_loss=z_loss, vocab_start=distributed.rank(g) * v_local)
+
+
+@torch.library.custom_op(f"{_NS}::ce_backward", mutates_args=())
+def ce_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                dloss: torch.Tensor, group: str, ignore_index: int, smoothing: float,
+                z_loss: float) -> torch.Tensor:
+    opts = _opts(logits, group, ignore_index, smoothing, z_loss)
+    return backward_impl(row_view(logits), target.reshape(-1), lse, dloss, None, opts, False)
+
+
+@ce_backward.register_fake
+def _(logits, target, lse, dloss, group, ignore_index, smoothing, z_loss):
+    return torch.empty_like(logits)
+
+
+def _setup(ctx, inputs, output):
+    logits, target, group, ignore_index, smoothing, z_loss = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.args = (group, ignore_index, smoothing, z_loss)
+
+
+def _backward(ctx, dloss, dlse):
+    logits, target, lse = ctx.saved_tensors
+    return ce_backward(logits, target, lse, dloss, *ctx.args), None, None, None, None, None
+
+
+torch.library.register_autograd(f"{_NS}::ce_forward", _backward, setup_context=_setup)
+
+
+def cross_entropy(logits, target, group, ignore_index, smoothing, z_loss, reduction,
+                  inplace_backward) -> torch.Tensor:
+    """Same arguments and result as ``_VocabParallelCrossEntropy.apply``."""
+    # inplace_backward is not honoured here: a compiled graph is functional, so the backward op
+    # returns a new tensor (the compiler may still reuse the dead logits buffer)
+    del inplace_backward
+    loss, _ = ce_forward(logits, target, distributed.group_key(group), ignore_index, smoothing,
+                         z_loss)
+    if reduction == "none":
+        return loss.view(target.shape)
+    total = loss.sum()
+    if reduction == "sum":
+        return total
+    return total / (target != ignore_index).sum().clamp(min=1)
