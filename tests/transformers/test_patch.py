@@ -289,3 +289,50 @@ def test_bf16_model():
         assert got_grads[name].dtype == torch.bfloat16
         err = (got_grads[name].float() - ref_grads[name].float()).norm()
         assert err <= 5e-2 * ref_grads[name].float().norm() + 1e-6, name
+
+
+def test_all_labels_ignored_gives_zero_not_nan():
+    """transformers' mean over zero tokens is nan; the fused loss returns 0 (and zero grads)."""
+    model = make_model("llama")
+    vh.patch(model, impl="torch")
+    ids, mask, labels = make_batch()
+    out = model(input_ids=ids, labels=torch.full_like(labels, -100))
+    assert out.loss.item() == 0.0
+    out.loss.backward()
+
+
+def test_wrapped_models_are_patched_through():
+    """A wrapper with get_base_model() (PEFT) is patched through its base model; an
+    instance-level forward already on the model (e.g. an accelerate hook) is kept and called."""
+    model = make_model("llama")
+    ids, mask, labels = make_batch()
+    ref = model(input_ids=ids, labels=labels).loss.item()
+
+    calls = []
+    class_forward = type(model).forward
+
+    def hooked_forward(*args, **kwargs):  # what accelerate's add_hook_to_module installs
+        calls.append(kwargs.get("labels") is None)
+        return class_forward(model, *args, **kwargs)
+
+    model.forward = hooked_forward
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+
+        def get_base_model(self):
+            return self.base
+
+        def forward(self, **kwargs):
+            return self.base(**kwargs)
+
+    wrapper = Wrapper(model)
+    assert vh.patch(wrapper, impl="torch") is wrapper
+    assert vh.is_patched(model) and vh.is_patched(wrapper)
+    out = wrapper(input_ids=ids, labels=labels)
+    assert out.logits is None and abs(out.loss.item() - ref) <= LOSS_ATOL
+    assert calls == [True]  # the hooked forward ran, with labels=None
+    vh.unpatch(wrapper)
+    assert model.forward is hooked_forward

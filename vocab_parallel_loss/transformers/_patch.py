@@ -108,7 +108,8 @@ def _usable_head(lm_head) -> bool:
     if not isinstance(lm_head, nn.Linear):  # e.g. a PEFT LoRA layer on the head: fall back
         return False
     w = lm_head.weight
-    return w.is_floating_point() and w.device.type != "meta"
+    # not: quantized, offloaded (meta) or partitioned (DeepSpeed ZeRO-3 outside the head's forward)
+    return w.is_floating_point() and w.device.type != "meta" and w.dim() == 2 and w.numel() > 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -216,8 +217,10 @@ def _check_options(reduction, impl, train_only, label_smoothing, z_loss) -> Patc
 
 def _base_model(model):
     """The transformers model inside a PEFT wrapper (patched in place), else the model."""
-    get_base = getattr(model, "get_base_model", None)
-    if callable(get_base) and not hasattr(model, "lm_head"):
+    if isinstance(model, _supported_classes()):
+        return model
+    get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
+    if callable(get_base):
         return get_base()
     return model
 
