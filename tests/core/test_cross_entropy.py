@@ -304,3 +304,20 @@ def test_bad_input_errors():
         cross_entropy(x, t.float())
     with pytest.raises(ValueError, match="both"):
         parallel_cross_entropy(x, t, _input=x)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("upstream", [1.0, 0.5])
+@pytest.mark.parametrize("layout", ["contiguous", "sbv_transposed", "narrowed"])
+def test_reduced_loss_unit_and_scaled_upstream(impl, reduction, upstream, layout):
+    # the Triton path computes the gradient in forward for a unit upstream gradient and
+    # recomputes it in backward otherwise: both must match the reference
+    logits = make_logits((5, 3, 61), torch.bfloat16, layout).requires_grad_()
+    target = make_target((5, 3), 61)
+    loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)
+    (grad,) = torch.autograd.grad(loss, logits, torch.tensor(upstream))
+    ref_loss, ref_grad = full_vocab_loss_and_grad(logits, target, torch.tensor(upstream),
+                                                  reduction=reduction, label_smoothing=0.1,
+                                                  z_loss=1e-3)
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=8e-3)
