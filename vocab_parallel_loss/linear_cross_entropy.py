@@ -169,6 +169,7 @@ class _Opts:
     smoothing: float
     z_loss: float
     backend: object
+    grad_in_forward: bool = False
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
@@ -182,6 +183,39 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
     return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
 
 
+def _merge(stats: torch.Tensor, group):
+    """All-gather ``(4, N)`` local statistics; returns global lse, target logit, sum of logits."""
+    g = distributed.gather_stats(stats, group)  # (world, 4, N)
+    if g.shape[0] == 1:
+        return g[0, 0] + torch.log(g[0, 1]), g[0, 2], g[0, 3]
+    m = g[:, 0].amax(dim=0)
+    lse = m + torch.log((g[:, 1] * torch.exp(g[:, 0] - m)).sum(dim=0))
+    return lse, g[:, 2].sum(dim=0), g[:, 3].sum(dim=0)
+
+
+def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None):
+    """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant."""
+    a, z = o.smoothing, o.z_loss
+    gp = g * (1.0 + 2.0 * z * lse) if z > 0 else g
+    if grad_lse is not None:
+        gp = gp + grad_lse
+    return torch.stack([lse, gp, g * (1.0 - a), g * (a / v_global)])
+
+
+def _token_loss(lse, tgt, sumx, t2, o: _Opts, v_global: int):
+    a, z = o.smoothing, o.z_loss
+    loss = lse - tgt
+    if a > 0:
+        loss = (1.0 - a) * loss + a * (lse - sumx / v_global)
+    if z > 0:
+        loss = loss + z * lse * lse
+    valid = t2 != o.ignore_index
+    in_range = (t2 >= 0) & (t2 < v_global)
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=lse.device)
+    zero = torch.zeros((), dtype=torch.float32, device=lse.device)
+    return torch.where(valid, torch.where(in_range, loss, nan), zero), valid
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, e, c, bias, targets, o: _Opts):
@@ -192,32 +226,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         v_offset = rank * v_local
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
         n = t2.numel()
-        dev = e.device
-
-        stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap, o.smoothing > 0)
-        g = distributed.gather_stats(stats, o.group)  # (world, 4, N)
-        if g.shape[0] == 1:
-            lse = g[0, 0] + torch.log(g[0, 1])
-            tgt, sumx = g[0, 2], g[0, 3]
+        grads = (None, None, None)
+        if o.grad_in_forward:
+            lse, tgt, sumx, grads = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
+                                                        v_offset)
         else:
-            m = g[:, 0].amax(dim=0)
-            lse = m + torch.log((g[:, 1] * torch.exp(g[:, 0] - m)).sum(dim=0))
-            tgt, sumx = g[:, 2].sum(dim=0), g[:, 3].sum(dim=0)
-
-        a, z = o.smoothing, o.z_loss
-        loss = lse - tgt
-        if a > 0:
-            loss = (1.0 - a) * loss + a * (lse - sumx / v_global)
-        if z > 0:
-            loss = loss + z * lse * lse
-        valid = t2 != o.ignore_index
-        in_range = (t2 >= 0) & (t2 < v_global)
-        nan = torch.full((), float("nan"), dtype=torch.float32, device=dev)
-        zero = torch.zeros((), dtype=torch.float32, device=dev)
-        loss = torch.where(valid, torch.where(in_range, loss, nan), zero)
+            stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
+                                            o.smoothing > 0)
+            lse, tgt, sumx = _merge(stats, o.group)
+        loss, valid = _token_loss(lse, tgt, sumx, t2, o, v_global)
 
         count = valid.sum() if o.reduction == "mean" else None
-        ctx.save_for_backward(e, c, bias, targets, lse, count)
+        ctx.save_for_backward(e, c, bias, targets, lse, count, *grads)
         ctx.o = o
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
 
@@ -228,38 +248,60 @@ class _LinearCrossEntropy(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss.sum() / count.clamp(min=1)
+        del n
         return out, lse_out
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
-        e, c, bias, targets, lse, count = ctx.saved_tensors
+        e, c, bias, targets, lse, count, de_f, dc_f, db_f = ctx.saved_tensors
         o: _Opts = ctx.o
         v_global, v_offset, full_shape, shifted_shape = ctx.meta
         need_de, need_dc, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
             bias is not None and ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
             return None, None, None, None, None
-        e2, t2, _, _ = _rows(e, targets, o)
-        n = t2.numel()
         dev = e.device
-        valid = t2 != o.ignore_index
-        if grad_loss is None:
-            g = torch.zeros(n, dtype=torch.float32, device=dev)
-        elif o.reduction == "none":
-            g = grad_loss.reshape(-1).float()
-        elif o.reduction == "sum":
-            g = grad_loss.float().expand(n)
+        de32 = dc = db = None
+        e2 = t2 = None
+        if o.grad_in_forward:
+            # gradients of the loss were formed in forward with an upstream gradient of 1
+            gl = (grad_loss.float() if grad_loss is not None
+                  else torch.zeros((), dtype=torch.float32, device=dev))
+            if need_de:
+                de32 = de_f * gl
+            if need_dc:
+                dc = torch.empty_like(c, memory_format=torch.contiguous_format)
+                torch.mul(dc_f, gl, out=dc) if grad_lse is None else dc.copy_(dc_f * gl)
+            if need_db:
+                db = db_f * gl
+            if grad_lse is not None:  # the lse output's gradient: the usual recompute pass
+                e2, t2, _, _ = _rows(e, targets, o)
+                coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
+                x_de, x_dc, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
+                                                      need_de, need_dc, need_db)
+                if need_de:
+                    de32 = de32 + x_de
+                if need_dc:
+                    dc = (dc_f * gl + x_dc.float()).to(c.dtype)
+                if need_db:
+                    db = db + x_db
         else:
-            g = (grad_loss.float() / count.clamp(min=1)).expand(n)
-        g = torch.where(valid, g, torch.zeros((), dtype=torch.float32, device=dev))
-        a, z = o.smoothing, o.z_loss
-        gp = g * (1.0 + 2.0 * z * lse) if z > 0 else g
-        if grad_lse is not None:
-            gp = gp + grad_lse.reshape(-1).float()
-        coef = torch.stack([lse, gp, g * (1.0 - a), g * (a / v_global)])
-
-        de32, dc, db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
-                                          need_de, need_dc, need_db)
+            e2, t2, _, _ = _rows(e, targets, o)
+            n = t2.numel()
+            valid = t2 != o.ignore_index
+            if grad_loss is None:
+                g = torch.zeros(n, dtype=torch.float32, device=dev)
+            elif o.reduction == "none":
+                g = grad_loss.reshape(-1).float()
+            elif o.reduction == "sum":
+                g = grad_loss.float().expand(n)
+            else:
+                g = (grad_loss.float() / count.clamp(min=1)).expand(n)
+            g = torch.where(valid, g, torch.zeros((), dtype=torch.float32, device=dev))
+            coef = _coef(lse, g, o, v_global,
+                         grad_lse.reshape(-1).float() if grad_lse is not None else None)
+            de32, dc, db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
+                                              need_de, need_dc, need_db)
         de = None
         if need_de:
             if not o.sequence_parallel:  # else the reduce-scatter below does the sum
@@ -276,6 +318,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if db is not None:
             db = db.to(bias.dtype)
         return de, dc, db, None, None
+
+
+def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int):
+    """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
+    over materialized fp32 row chunks of the logits (Triton backend only; see
+    ``LCEConfig.grad_in_forward``). Returns lse, target logit, sum of logits and the fp32
+    gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None where not needed)."""
+    K = o.backend
+    cfg = K.default_config(e2.device)
+    need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = bias is not None and ctx.needs_input_grad[2]
+    n, h = e2.shape
+    v = c.shape[0]
+    dev = e2.device
+    f32 = torch.float32
+    valid = t2 != o.ignore_index
+    one = torch.ones((), dtype=f32, device=dev)
+    scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
+    g = torch.where(valid, scale, torch.zeros((), dtype=f32, device=dev))
+    lse = torch.empty(n, dtype=f32, device=dev)
+    tgt = torch.empty(n, dtype=f32, device=dev)
+    sumx = torch.empty(n, dtype=f32, device=dev)
+    de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
+    dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
+    db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
+    rows = K.gif_chunk_rows(n, v, cfg)
+    xbuf = torch.empty((rows, v), dtype=f32, device=dev) if n else None
+    for i, r0 in enumerate(range(0, n, rows)):
+        r1 = min(n, r0 + rows)
+        x = xbuf[:r1 - r0]
+        er, tr = e2[r0:r1], t2[r0:r1]
+        K.chunk_logits(er, c, x, cfg)
+        stats = K.rows_stats(x, bias, tr, v_offset, o.softcap, o.smoothing > 0, cfg)
+        lse_r, tgt_r, sumx_r = _merge(stats, o.group)
+        lse[r0:r1], tgt[r0:r1], sumx[r0:r1] = lse_r, tgt_r, sumx_r
+        coef = _coef(lse_r, g[r0:r1], o, v_global)
+        dz = K.rows_dz_inplace(x, bias, tr, v_offset, coef, o.softcap, e2.dtype, cfg)
+        if need_de:
+            K.gemm_store(de[r0:r1], dz, c, cfg, None)
+        if need_dc:
+            if i == 0:
+                K.gemm_store(dc, dz.t(), er, cfg, None)
+            else:
+                K.gemm_acc(dc, dz.t(), er, cfg)
+        if need_db:
+            db += dz.sum(dim=0, dtype=f32)
+    return lse, tgt, sumx, (de, dc, db)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -322,6 +411,21 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
     _checks.check_leading_shape(
         "leading dims of e" + (" (gathered over the TP group)" if sequence_parallel else ""),
         torch.Size(lead), targets)
+
+
+def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> bool:
+    if backend is _TorchBackend or reduction == "none" or not torch.is_grad_enabled():
+        return False
+    if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
+        return False
+    cfg = backend.default_config(e.device)
+    if cfg.grad_in_forward == "always":
+        return True
+    if cfg.grad_in_forward != "auto":
+        return False
+    h = e.shape[-1]
+    n = e.numel() // max(h, 1) * (distributed.world_size(group) if sequence_parallel else 1)
+    return backend.gif_extra_bytes(n, c.shape[0], h, cfg) <= cfg.gif_max_bytes
 
 
 def linear_cross_entropy(
@@ -378,10 +482,13 @@ def linear_cross_entropy(
     if _checks.targets_check_requested(None):
         _checks.check_target_range(targets, c.shape[0] * distributed.world_size(tp_group),
                                    ignore_index)
+    backend = _backend(impl, e)
     o = _Opts(ignore_index=int(ignore_index), softcap=float(softcap) if softcap else None,
               reduction=reduction, shift=int(shift), group=tp_group,
               sequence_parallel=bool(sequence_parallel) and distributed.world_size(tp_group) > 1,
               smoothing=float(label_smoothing), z_loss=float(z_loss),
-              backend=_backend(impl, e))
+              backend=backend,
+              grad_in_forward=_use_grad_in_forward(backend, e, c, bias, reduction, shift,
+                                                   sequence_parallel, tp_group))
     loss, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o)
     return (loss, lse) if return_lse else loss

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from tests.linear._lce_oracle import reference_grads
+from vocab_parallel_loss.kernels import linear_cross_entropy as K
 from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
 
 
@@ -34,8 +35,10 @@ def close(name, got, want, rtol):
 
 
 def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_loss=0.0,
-               softcap=None, bias=False, shift=0, sp=False, v_local=23, h=24, s=8, b=4):
+               softcap=None, bias=False, shift=0, sp=False, gif=False, v_local=23, h=24, s=8,
+               b=4):
     rank, world = dist.get_rank(), dist.get_world_size()
+    K.OVERRIDE_CONFIG = K.INTERPRET_CONFIG.replace(grad_in_forward="always") if gif else None
     v = v_local * world
     gen = torch.Generator().manual_seed(1234)
     # Megatron's output layer input: [s, b, h]; with shift the sequence must be dim -2
@@ -80,6 +83,9 @@ CASES = [
     dict(reduction="none", sp=True, softcap=3.0),
     dict(reduction="mean", sp=True, shift=1),
     dict(reduction="mean", dtype=torch.bfloat16, smoothing=0.1, sp=True),
+    # gradients formed in forward: one stats all-gather per row chunk
+    dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
+    dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),
 ]
 
 
@@ -90,6 +96,8 @@ def main() -> int:
     impls = sys.argv[1:] or ["triton", "torch"]
     for impl in impls:
         for case in CASES:
+            if case.get("gif") and impl != "triton":
+                continue
             try:
                 check_case(impl=impl, **case)
             except Exception as ex:

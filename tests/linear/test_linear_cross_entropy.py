@@ -286,3 +286,77 @@ def test_triton_on_plain_cpu_is_a_clear_error(monkeypatch):
     loss = linear_cross_entropy(e, c, t)
     want, _ = lce_reference(e, c, t)
     assert math.isclose(loss.item(), want.item(), rel_tol=1e-5)
+
+
+# ------------------------------------------------------- grad-in-forward path (scalar losses)
+
+GIF_CASES = [
+    dict(reduction="mean"),
+    dict(reduction="sum", bias=True, softcap=4.0),
+    dict(reduction="mean", label_smoothing=0.1, z_loss=1e-2, shift=1, lead=(3, 13)),
+    dict(reduction="mean", h=17, v=31, n=19, bias=True),
+]
+
+
+@pytest.fixture
+def grad_in_forward(monkeypatch):
+    if K is None or not lce_mod._interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(grad_in_forward="always"))
+    calls = []
+    orig = lce_mod._forward_with_grads
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return orig(*a, **kw)
+
+    monkeypatch.setattr(lce_mod, "_forward_with_grads", spy)
+    return calls
+
+
+@pytest.mark.parametrize("case", GIF_CASES, ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grad_in_forward_matches_oracle(grad_in_forward, case, dtype):
+    check("triton", dtype, **case)
+    assert grad_in_forward, "the grad-in-forward path did not run"
+
+
+def test_grad_in_forward_scaled_upstream_and_lse(grad_in_forward):
+    e, c, b, t = make(bias=True)
+    loss, lse = linear_cross_entropy(e, c, t, b, reduction="mean", return_lse=True,
+                                     impl="triton", softcap=5.0)
+    w = torch.randn(lse.shape, generator=torch.Generator().manual_seed(3))
+    got = torch.autograd.grad(0.37 * loss + (w * lse).sum(), (e, c, b))
+    leaves = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    l2, lse2 = lce_reference(*leaves[:2], t, leaves[2], reduction="mean", softcap=5.0)
+    wanted = torch.autograd.grad(0.37 * l2 + (w.double() * lse2).sum(), leaves)
+    assert_grads_close(got, wanted, torch.float32)
+    assert grad_in_forward
+
+
+def test_grad_in_forward_edge_cases(grad_in_forward):
+    e, c, b, t = make(bias=True)
+    t.fill_(-100)
+    loss, grads = run(e, c, b, t, "triton", reduction="mean")
+    assert loss.item() == 0 and all(torch.all(gr == 0) for gr in grads)
+    e0 = e.detach()[:0].requires_grad_()
+    loss = linear_cross_entropy(e0, c, torch.zeros(0, dtype=torch.long), impl="triton")
+    de, dc = torch.autograd.grad(loss, (e0, c))
+    assert loss.item() == 0 and de.shape == (0, 24) and torch.all(dc == 0)
+    # no gradient needed: the plain forward runs
+    n_before = len(grad_in_forward)
+    with torch.no_grad():
+        linear_cross_entropy(e, c, t, impl="triton")
+    assert len(grad_in_forward) == n_before
+
+
+def test_grad_in_forward_auto_respects_budget(monkeypatch):
+    if K is None or not lce_mod._interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    e, c, b, t = make()
+    cfg = K.INTERPRET_CONFIG.replace(grad_in_forward="auto", gif_max_bytes=1)
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
+    assert not lce_mod._use_grad_in_forward(K, e, c, None, "mean", 0, False, None)
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg.replace(gif_max_bytes=1 << 30))
+    assert lce_mod._use_grad_in_forward(K, e, c, None, "mean", 0, False, None)
+    assert not lce_mod._use_grad_in_forward(K, e, c, None, "none", 0, False, None)

@@ -61,6 +61,15 @@ class LCEConfig:
     ``torch.mm`` with ``out_dtype=torch.float32``: fp32 accumulation and output, so ``dE``
     accumulates in fp32 and ``dC`` is rounded once; falls back to Triton where that overload is
     missing). CPU (interpreter) always uses Triton.
+
+    ``grad_in_forward``: ``"never"`` (default), ``"auto"`` or ``"always"``. For a scalar loss
+    (``reduction`` mean or sum) that needs gradients, form both gradients already in forward
+    from ``gif_rows``-row chunks of materialized fp32 logits: 6NHV flops instead of 8NHV, at
+    the price of memory that grows with V: an fp32 ``(V_local, H)`` ``dC`` accumulator and a
+    ``gif_rows x V_local`` fp32 chunk (plus the fp32 ``(N, H)`` ``dE`` both paths hold).
+    Gradients stay fp32 until backward scales them by the upstream gradient and rounds once.
+    ``"auto"`` takes it when ``gif_extra_bytes`` stays under ``gif_max_bytes``.
+    ``row_block`` / ``row_warps``: the memory-bound row kernels of that path.
     """
 
     fwd_block_n: int = 128
@@ -84,6 +93,11 @@ class LCEConfig:
     mm_stages: int = 3
     chunk_bytes: int = 128 * 1024 * 1024
     matmul: str = "torch"
+    grad_in_forward: str = "never"
+    gif_rows: int = 4096
+    row_block: int = 2048
+    row_warps: int = 8
+    gif_max_bytes: int = 1 << 30
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -103,6 +117,7 @@ INTERPRET_CONFIG = LCEConfig(
     mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
+    gif_rows=16, row_block=16, row_warps=4,
 )
 
 #: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and sweeps do this).
@@ -354,6 +369,83 @@ def _mm_kernel(
     tl.store(o_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rows_stats_kernel(
+    X, BIAS, TGT, STATS, N, V, stride_xn, stride_t, v_offset, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """Grad-in-forward path: statistics of one row of materialized fp32 logits ``X (rows, V)``."""
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.load(TGT + row * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+    m_vec = tl.full((BLOCK,), float("-inf"), dtype=tl.float32)
+    s_vec = tl.zeros((BLOCK,), dtype=tl.float32)
+    tg_vec = tl.zeros((BLOCK,), dtype=tl.float32)
+    sx_vec = tl.zeros((BLOCK,), dtype=tl.float32)
+    x_row = X + row * stride_xn
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            x = softcap * _tanh(x / softcap)
+        xm = tl.where(mask, x, float("-inf"))
+        m_new = tl.maximum(m_vec, xm)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s_vec = s_vec * tl.exp(m_vec - m_safe) + tl.exp(xm - m_safe)
+        m_vec = m_new
+        tg_vec += tl.where(cols == t_local, x, 0.0)
+        if NEED_SUMX:
+            sx_vec += tl.where(mask, x, 0.0)
+    m = tl.max(m_vec, axis=0)
+    s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
+    tl.store(STATS + row, m)
+    tl.store(STATS + N + row, s)
+    tl.store(STATS + 2 * N + row, tl.sum(tg_vec, axis=0))
+    tl.store(STATS + 3 * N + row, tl.sum(sx_vec, axis=0))
+
+
+@triton.jit
+def _rows_dz_kernel(
+    X, BIAS, TGT, COEF, D, N, V, stride_xn, stride_dn, stride_t, v_offset, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grad-in-forward path: ``dz`` of one row from the materialized logits, written to ``D``.
+
+    ``D`` may alias ``X`` (bf16 written over the fp32 row, front to back): block ``k`` writes
+    bytes below every later block's reads; only block 0 overlaps its own reads, hence the
+    barrier between the loads and the stores of each block.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    lse = tl.load(COEF + row)
+    gp = tl.load(COEF + N + row)
+    gt = tl.load(COEF + 2 * N + row)
+    gc = tl.load(COEF + 3 * N + row)
+    t = tl.load(TGT + row * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+    x_row = X + row * stride_xn
+    d_row = D + row * stride_dn
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < V
+        z = tl.load(x_row + cols, mask=mask, other=0.0)
+        tl.debug_barrier()
+        if HAS_BIAS:
+            z += tl.load(BIAS + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_SOFTCAP:
+            th = _tanh(z / softcap)
+            x = softcap * th
+        else:
+            x = z
+        dx = gp * tl.exp(x - lse) - gc - tl.where(cols == t_local, gt, 0.0)
+        if HAS_SOFTCAP:
+            dx = dx * (1.0 - th * th)
+        tl.store(d_row + cols, dx.to(D.dtype.element_ty), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Host wrappers (allocation + launch; no autograd, no communication)
 # ----------------------------------------------------------------------------------------------
@@ -468,6 +560,8 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
         try:
             if a.dtype == torch.float32:
                 torch.mm(a, b, out=out)
+            elif out.dtype == torch.float32:
+                torch.mm(a, b, out_dtype=torch.float32, out=out)
             else:
                 t = tmp[:out.shape[0]]
                 torch.mm(a, b, out_dtype=torch.float32, out=t)
@@ -536,3 +630,62 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         if need_dbias:
             db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
     return de, dc, db
+
+
+# ----------------------------------------------------------------------------------------------
+# Grad-in-forward path (scalar losses): materialized fp32 row chunks, 6NHV flops
+# ----------------------------------------------------------------------------------------------
+
+
+def gif_chunk_rows(n: int, v: int, cfg: LCEConfig) -> int:
+    return max(1, min(n, cfg.gif_rows))
+
+
+def gif_extra_bytes(n: int, v: int, h: int, cfg: LCEConfig) -> int:
+    """Extra memory of the grad-in-forward path: logits chunk + fp32 dC and dE."""
+    return gif_chunk_rows(n, v, cfg) * v * 4 + v * h * 4 + n * h * 4
+
+
+def chunk_logits(e_rows: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
+                 cfg: LCEConfig) -> None:
+    """``out (rows, V) fp32 = e_rows @ c.T`` with fp32 accumulation (bias/softcap come later)."""
+    gemm_store(out, e_rows, c.t(), cfg, None)
+
+
+def rows_stats(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+               v_offset: int, softcap: Optional[float], need_sumx: bool,
+               cfg: LCEConfig) -> torch.Tensor:
+    """``(4, rows)`` statistics of materialized fp32 logits ``x (rows, V)`` (+ bias, softcap)."""
+    n, v = x.shape
+    stats = torch.empty((4, n), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return stats
+    _rows_stats_kernel[(n,)](
+        x, bias if bias is not None else x, targets, stats, n, v, x.stride(0),
+        targets.stride(0), v_offset, float(softcap) if softcap else 1.0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
+        BLOCK=cfg.row_block, num_warps=cfg.row_warps)
+    return stats
+
+
+def rows_dz_inplace(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
+                    v_offset: int, coef: torch.Tensor, softcap: Optional[float],
+                    dtype: torch.dtype, cfg: LCEConfig) -> torch.Tensor:
+    """Overwrite the fp32 logits ``x (rows, V)`` (contiguous rows) with ``dz`` in ``dtype``;
+    returns the ``(rows, V)`` view of ``dz``."""
+    n, v = x.shape
+    assert x.stride(1) == 1 and x.dtype == torch.float32
+    if dtype == torch.float32:
+        d = x
+    else:
+        ratio = 4 // torch.empty((), dtype=dtype).element_size()
+        d = x.view(dtype)[:, :v]
+        assert d.stride(0) == x.stride(0) * ratio
+    if n == 0:
+        return d
+    _rows_dz_kernel[(n,)](
+        x, bias if bias is not None else x, targets, coef, d, n, v, x.stride(0), d.stride(0),
+        targets.stride(0), v_offset, float(softcap) if softcap else 1.0,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), BLOCK=cfg.row_block,
+        num_warps=cfg.row_warps)
+    return d
