@@ -204,7 +204,7 @@ def main(argv=None):
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
     results = []
-    passthrough = [a for a in (argv if argv is not None else sys.argv[1:])]
+    passthrough = list(argv if argv is not None else sys.argv[1:])
     for variant in [v for v in args.variants.split(",") if v]:
         cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--variant", variant]
         t0 = time.time()

@@ -20,7 +20,7 @@ import inspect
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
