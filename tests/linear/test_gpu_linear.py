@@ -176,3 +176,39 @@ def test_cuda_graph_capture():
     torch.cuda.synchronize()
     for a, b_ in zip(captured, eager):
         assert torch.equal(a, b_)
+
+
+@pytest.mark.parametrize("n,h,v", [(4096, 4096, 32000), (8192, 4096, 16032)])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_grad_in_forward_path(n, h, v, reduction, monkeypatch):
+    cfg = K.default_config(torch.device("cuda")).replace(grad_in_forward="always", gif_rows=3000)
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
+    e, c, b, t, up = _case(n, h, v, bias=True)
+    kw = dict(reduction=reduction, softcap=30.0, label_smoothing=0.1)
+    loss, grads = _run(e, c, b, t, up, impl="triton", **kw)
+    want, wgrads = _reference(e, c, b, t, up, **kw)
+    torch.testing.assert_close(loss, want, atol=2e-4 * max(1.0, want.abs().item()), rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+    # bitwise deterministic too
+    loss2, grads2 = _run(e, c, b, t, up, impl="triton", **kw)
+    assert torch.equal(loss, loss2) and all(torch.equal(x, y) for x, y in zip(grads, grads2))
+
+
+def test_grad_in_forward_memory(monkeypatch):
+    n, h, v = 16384, 1024, 32000
+    cfg = K.default_config(torch.device("cuda")).replace(grad_in_forward="always")
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
+    e, c, _, t, _ = _case(n, h, v)
+    e.requires_grad_()
+    c.requires_grad_()
+    for _ in range(2):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = linear_cross_entropy(e, c, t, impl="triton")
+        de, dc = torch.autograd.grad(loss, (e, c))
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - de.numel() * 2 - dc.numel() * 2
+        del de, dc, loss
+    bound = K.gif_extra_bytes(n, v, h, cfg) + n * h * 4 + 64 * 2**20
+    assert extra < bound, (extra / 2**30, bound / 2**30)
