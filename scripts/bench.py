@@ -64,6 +64,7 @@ class Case:
     v: int
     dtype: str = "bf16"
     smoothing: float = 0.0
+    z_loss: float = 0.0
 
     @property
     def name(self) -> str:
@@ -72,6 +73,8 @@ class Case:
             s += f"-{self.dtype}"
         if self.smoothing:
             s += f"-ls{self.smoothing:g}"
+        if self.z_loss:
+            s += f"-z{self.z_loss:g}"
         return s
 
     @property
@@ -80,26 +83,34 @@ class Case:
 
     @staticmethod
     def parse(spec: str) -> "Case":
-        """``NxV`` with optional ``-fp32``/``-fp16`` and ``-ls<a>`` suffixes, e.g. ``8192x256000-ls0.1``."""
-        m = re.fullmatch(r"(\d+)x(\d+)((?:-(?:fp32|fp16|bf16|ls[0-9.]+))*)", spec.strip())
+        """``NxV`` with optional ``-fp32``/``-fp16``, ``-ls<a>`` (label smoothing) and ``-z<w>``
+        (z-loss weight) suffixes, e.g. ``8192x256000-ls0.1`` or ``16384x32000-z1e-4``."""
+        opt = r"fp32|fp16|bf16|ls[0-9.]+(?:e-?\d+)?|z[0-9.]+(?:e-?\d+)?"
+        m = re.fullmatch(rf"(\d+)x(\d+)((?:-(?:{opt}))*)", spec.strip())
         if not m:
-            raise argparse.ArgumentTypeError(f"bad shape {spec!r}: expected NxV[-fp32][-ls0.1]")
-        dtype, ls = "bf16", 0.0
-        for part in filter(None, m.group(3).split("-")):
+            raise argparse.ArgumentTypeError(
+                f"bad shape {spec!r}: expected NxV[-fp32][-ls0.1][-z1e-4]")
+        dtype, ls, z = "bf16", 0.0, 0.0
+        for part in re.findall(rf"-({opt})", m.group(3)):
             if part.startswith("ls"):
                 ls = float(part[2:])
+            elif part.startswith("z"):
+                z = float(part[1:])
             else:
                 dtype = part
-        return Case(int(m.group(1)), int(m.group(2)), dtype, ls)
+        return Case(int(m.group(1)), int(m.group(2)), dtype, ls, z)
 
 
 # The issue's shapes (N tokens x V_local): Llama-2 32K, Llama-3 128K, Gemma 256K, Llama-3 over TP8
-# (128256 / 8 = 16032), and the same shard with 4x the tokens; then fp32 input and label smoothing.
+# (128256 / 8 = 16032), and the same shard with 4x the tokens; then fp32 input, label smoothing
+# and z-loss on one shape (the issue: each within 5% of bf16 per-token in bytes-normalised time).
 FULL_CASES = [Case(16384, 32000), Case(16384, 128256), Case(8192, 256000), Case(16384, 16032),
-              Case(65536, 16032), Case(16384, 32000, "fp32"), Case(16384, 32000, smoothing=0.1)]
+              Case(65536, 16032), Case(16384, 32000, "fp32"), Case(16384, 32000, smoothing=0.1),
+              Case(16384, 32000, z_loss=1e-4)]
 QUICK_CASES = [Case(4096, 32000), Case(4096, 16032), Case(2048, 16032, "fp32"),
-               Case(2048, 16032, smoothing=0.1)]
-DRY_CASES = [Case(64, 1000), Case(48, 512, "fp32"), Case(48, 512, smoothing=0.1)]
+               Case(2048, 16032, smoothing=0.1), Case(2048, 16032, z_loss=1e-4)]
+DRY_CASES = [Case(64, 1000), Case(48, 512, "fp32"), Case(48, 512, smoothing=0.1),
+             Case(48, 512, z_loss=1e-4)]
 PATHS = ("none", "mean")
 
 
@@ -190,10 +201,11 @@ class Env:
 
 
 # ------------------------------------------------------------------------------ implementations
-# An adapter factory takes the Env and returns loss_fn(x, target, reduction, smoothing) for 2-D
-# logits x (N, V) and targets (N,); reduction is "none" (loss shaped (N,)) or "mean" (scalar).
+# An adapter factory takes the Env and returns loss_fn(x, target, reduction, case) for 2-D
+# logits x (N, V) and targets (N,); reduction is "none" (loss shaped (N,)) or "mean" (scalar);
+# case.smoothing and case.z_loss are the options (used only where the Impl declares support).
 # It raises ImportError (or Unavailable) when the implementation cannot run here.
-LossFn = Callable[[torch.Tensor, torch.Tensor, str, float], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor, str, "Case"], torch.Tensor]
 
 
 class Unavailable(Exception):
@@ -205,6 +217,7 @@ class Impl:
     name: str
     make: Callable[[Env], LossFn]
     smoothing: bool = True  # supports label smoothing
+    z_loss: bool = False  # supports a z-loss term (z * lse^2 per token)
     cpu: bool = False  # runs on CPU (used by --dry-run)
     triton: bool = False  # Triton kernels: runs on CPU under TRITON_INTERPRET=1
     fp32_same_as: Optional[str] = None  # identical to that impl on fp32 input: skipped there
@@ -232,23 +245,23 @@ def _ours(inplace: bool):
     def make(env):
         from vocab_parallel_loss import cross_entropy
 
-        return lambda x, t, red, ls: cross_entropy(x, t, reduction=red, label_smoothing=ls,
-                                                    inplace_backward=inplace)
+        return lambda x, t, red, c: cross_entropy(x, t, reduction=red, label_smoothing=c.smoothing,
+                                                   z_loss=c.z_loss, inplace_backward=inplace)
 
     return make
 
 
-register("ours", cpu=True, package="vocab_parallel_loss")(_ours(False))
-register("ours_inplace", cpu=True, package="vocab_parallel_loss")(_ours(True))
+register("ours", cpu=True, z_loss=True, package="vocab_parallel_loss")(_ours(False))
+register("ours_inplace", cpu=True, z_loss=True, package="vocab_parallel_loss")(_ours(True))
 
 
 @register("torch_eager", cpu=True, package="torch")
 def _torch_eager(env):
-    return lambda x, t, red, ls: F.cross_entropy(x, t, reduction=red, label_smoothing=ls)
+    return lambda x, t, red, c: F.cross_entropy(x, t, reduction=red, label_smoothing=c.smoothing)
 
 
-def _fp32_cross_entropy(x, t, red, ls):
-    return F.cross_entropy(x.float(), t, reduction=red, label_smoothing=ls)
+def _fp32_cross_entropy(x, t, red, c):
+    return F.cross_entropy(x.float(), t, reduction=red, label_smoothing=c.smoothing)
 
 
 @register("torch_fp32", cpu=True, fp32_same_as="torch_eager", package="torch")
@@ -271,8 +284,9 @@ def _megatron_native(env):
 
     env.megatron_tp_group()
     # Megatron takes [s, b, v] logits and [s, b] targets; the loss is per token, fp32
-    return lambda x, t, red, ls: _mean(
-        tensor_parallel.vocab_parallel_cross_entropy(x.unsqueeze(1), t.unsqueeze(1), ls), red)
+    return lambda x, t, red, c: _mean(
+        tensor_parallel.vocab_parallel_cross_entropy(x.unsqueeze(1), t.unsqueeze(1), c.smoothing),
+        red)
 
 
 @register("megatron_fused", smoothing=False, cpu=True, package="megatron-core")
@@ -283,7 +297,7 @@ def _megatron_fused(env):
     # its elementwise pieces are decorated at import with megatron.core.jit.jit_fuser
     env.notes["megatron_fused"] = f"jit_fuser = {getattr(jit.jit_fuser, '__qualname__', jit.jit_fuser)}"
     group = env.megatron_tp_group()
-    return lambda x, t, red, ls: _mean(
+    return lambda x, t, red, c: _mean(
         fused_vocab_parallel_cross_entropy(x.unsqueeze(1), t.unsqueeze(1), group), red)
 
 
@@ -297,8 +311,8 @@ def _te(overwrite: bool):
             from te_triton_ce import parallel_cross_entropy
         kw = {"overwrite_input": True} if overwrite else {}  # TE >= 2.x: gradient over the input
         # TE takes (B, SQ, V) logits; reduce_loss=True gives the mean over non-ignored tokens
-        return lambda x, t, red, ls: parallel_cross_entropy(
-            x.unsqueeze(0), t.unsqueeze(0), ls, red == "mean", **kw).reshape(
+        return lambda x, t, red, c: parallel_cross_entropy(
+            x.unsqueeze(0), t.unsqueeze(0), c.smoothing, red == "mean", **kw).reshape(
                 () if red == "mean" else -1)
 
     return make
@@ -308,22 +322,22 @@ register("te", package="transformer-engine")(_te(False))
 register("te_inplace", package="transformer-engine")(_te(True))
 
 
-@register("liger", triton=True, package="liger-kernel")
+@register("liger", triton=True, z_loss=True, package="liger-kernel")
 def _liger(env):
     from liger_kernel.transformers import LigerCrossEntropyLoss
 
     @functools.lru_cache(maxsize=None)
-    def module(red, ls):
-        return LigerCrossEntropyLoss(reduction=red, label_smoothing=ls)
+    def module(red, ls, z):
+        return LigerCrossEntropyLoss(reduction=red, label_smoothing=ls, lse_square_scale=z)
 
-    return lambda x, t, red, ls: module(red, ls)(x, t)
+    return lambda x, t, red, c: module(red, c.smoothing, c.z_loss)(x, t)
 
 
 def _quack(inplace: bool):
     def make(env):
         from quack import cross_entropy
 
-        return lambda x, t, red, ls: cross_entropy(x, t, reduction=red, inplace_backward=inplace)
+        return lambda x, t, red, c: cross_entropy(x, t, reduction=red, inplace_backward=inplace)
 
     return make
 
@@ -337,8 +351,8 @@ def _apex(env):
     from apex.contrib.xentropy import SoftmaxCrossEntropyLoss
 
     # (logits, labels, smoothing, padding_idx, half_to_float): no target equals -100 here
-    return lambda x, t, red, ls: _mean(
-        SoftmaxCrossEntropyLoss.apply(x, t, ls, -100, x.dtype != torch.float32), red)
+    return lambda x, t, red, c: _mean(
+        SoftmaxCrossEntropyLoss.apply(x, t, c.smoothing, -100, x.dtype != torch.float32), red)
 
 
 # ---------------------------------------------------------------------------------- measuring
@@ -364,9 +378,12 @@ class Reference:
     grad: torch.Tensor  # fp32
 
     @staticmethod
-    def make(inp: Inputs, path: str, smoothing: float) -> "Reference":
+    def make(inp: Inputs, path: str, case: Case) -> "Reference":
         x = inp.logits.detach().float().requires_grad_(True)
-        loss = F.cross_entropy(x, inp.target, reduction=path, label_smoothing=smoothing)
+        loss = F.cross_entropy(x, inp.target, reduction="none", label_smoothing=case.smoothing)
+        if case.z_loss:
+            loss = loss + case.z_loss * torch.logsumexp(x, dim=-1).square()
+        loss = loss if path == "none" else loss.mean()
         (grad,) = torch.autograd.grad(loss, x, inp.g if path == "none" else None)
         return Reference(loss.detach(), grad)
 
@@ -380,6 +397,7 @@ class Result:
     v: int
     dtype: str
     smoothing: float
+    z_loss: float
     status: str = "ok"  # ok | skipped | error
     note: str = ""
     fwd_ms: Optional[float] = None
@@ -388,6 +406,7 @@ class Result:
     reps: int = 0
     bound_ms: Optional[float] = None
     ratio: Optional[float] = None
+    ratio_6b: Optional[float] = None  # mean path: vs the per-token bound (row not kept on chip)
     bw_fraction: Optional[float] = None
     peak_extra_bytes: Optional[int] = None
     mem_x_logits: Optional[float] = None
@@ -412,7 +431,7 @@ def max_abs_diff(a: torch.Tensor, ref: torch.Tensor, rows: int = 2048) -> float:
 
 def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: Reference, dev: Device,
             cfg: argparse.Namespace, res: Result) -> None:
-    t, g, ls = inp.target, inp.g, case.smoothing
+    t, g = inp.target, inp.g
 
     def backward(loss, x):
         if path == "none":
@@ -423,10 +442,10 @@ def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: Reference, dev:
     # 1. a first call (compilation, autotuning, lazy allocations), then correctness and memory
     #    on a fresh leaf copy of the logits (some peers overwrite them)
     x = inp.logits.detach().clone().requires_grad_(True)
-    backward(fn(x, t, path, ls), x)
+    backward(fn(x, t, path, case), x)
     x = inp.logits.detach().clone().requires_grad_(True)
     base = dev.reset_peak()
-    loss = fn(x, t, path, ls)
+    loss = fn(x, t, path, case)
     grad = backward(loss, x)
     peak = dev.peak()
     if peak is not None:
@@ -441,7 +460,7 @@ def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: Reference, dev:
     dev.sync()
     t0 = time.perf_counter()
     for _ in range(cfg.warmup):
-        backward(fn(x, t, path, ls), x)
+        backward(fn(x, t, path, case), x)
     dev.sync()
     per_rep = (time.perf_counter() - t0) / max(cfg.warmup, 1)
     reps = int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget / max(per_rep, 1e-6))))
@@ -451,7 +470,7 @@ def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: Reference, dev:
     for _ in range(reps):
         dev.flush_l2()
         a = dev.stamp()
-        loss = fn(x, t, path, ls)
+        loss = fn(x, t, path, case)
         b = dev.stamp()
         grad = backward(loss, x)
         c = dev.stamp()
@@ -474,6 +493,8 @@ def skip_reason(impl: Impl, case: Case, dev: Device) -> Optional[str]:
         return "needs CUDA"
     if case.smoothing and not impl.smoothing:
         return "no label smoothing"
+    if case.z_loss and not impl.z_loss:
+        return "no z-loss"
     if case.dtype == "fp32" and impl.fp32_same_as:
         return f"same as {impl.fp32_same_as} on fp32 input"
     return None
@@ -642,21 +663,26 @@ def write_markdown(report: dict, path: Path) -> None:
             by_case = {r["case"]: r for r in rows if r["impl"] == impl}
             lines.append(f"| {impl} | " + " | ".join(
                 _fmt(by_case[c]["ratio"], ".2f") if c in by_case else "-" for c in cases) + " |")
+        extra = " | ratio vs 6 B" if path_name == "mean" else ""
         lines += ["", f"## Details: {title}", "",
-                  "| impl | shape | fwd ms | bwd ms | total ms | ratio | mem | loss err | grad err | reps |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| impl | shape | fwd ms | bwd ms | total ms | ratio{extra} | mem | loss err "
+                  "| grad err | reps |", "|---" * (10 + bool(extra)) + "|"]
         for r in rows:
+            r6 = f" | {_fmt(r['ratio_6b'], '.2f')}" if extra else ""
             lines.append(
                 f"| {r['impl']} | {r['case']} | {_fmt(r['fwd_ms'], '.3f')} | {_fmt(r['bwd_ms'], '.3f')} "
-                f"| {_fmt(r['total_ms'], '.3f')} | {_fmt(r['ratio'], '.2f')} | {_fmt(r['mem_x_logits'], '.2f')} "
+                f"| {_fmt(r['total_ms'], '.3f')} | {_fmt(r['ratio'], '.2f')}{r6} | {_fmt(r['mem_x_logits'], '.2f')} "
                 f"| {_fmt(r['loss_err'], '.1e')} | {_fmt(r['grad_err'], '.1e')} | {r['reps']} |")
         lines.append("")
     others = [r for r in report["results"] if r["status"] != "ok"]
     if report["skipped"] or others:
         lines += ["## Not measured", ""]
         lines += [f"- {k}: {v}" for k, v in report["skipped"].items()]
-        lines += [f"- {r['impl']} on {r['case']} ({r['path']}): {r['status']}: {r['note']}"
-                  for r in others]
+        grouped: Dict[tuple, list] = {}
+        for r in others:
+            grouped.setdefault((r["impl"], r["status"], r["note"]), []).append(f"{r['case']} ({r['path']})")
+        lines += [f"- {impl}: {status}: {note}: {', '.join(where)}"
+                  for (impl, status, note), where in grouped.items()]
         lines.append("")
     if report.get("collective"):
         c = report["collective"]
@@ -830,11 +856,11 @@ def main(argv=None) -> dict:
             continue
         inp = Inputs.make(case, dev)
         for path in args.paths:
-            ref = Reference.make(inp, path, case.smoothing)
+            ref = Reference.make(inp, path, case)
             bound_ms = bytes_per_element(case, path) * case.n * case.v / bw * 1e3
             for name, fn in fns.items():
                 res = Result(name, case.name, path, case.n, case.v, case.dtype, case.smoothing,
-                             bound_ms=bound_ms)
+                             case.z_loss, bound_ms=bound_ms)
                 why = skip_reason(IMPLS[name], case, dev)
                 if why:
                     res.status, res.note = "skipped", why
@@ -842,6 +868,8 @@ def main(argv=None) -> dict:
                     try:
                         run_one(fn, case, path, inp, ref, dev, args, res)
                         res.ratio = res.total_ms / bound_ms
+                        res.ratio_6b = res.total_ms / (bytes_per_element(case, "none") * case.n
+                                                       * case.v / bw * 1e3)
                         res.bw_fraction = 1.0 / res.ratio
                         log(f"{case.name:>20} {path:4} {name:16} fwd {res.fwd_ms:8.3f} bwd "
                             f"{res.bwd_ms:8.3f} total {res.total_ms:8.3f} ms  ratio {res.ratio:5.2f}  "
