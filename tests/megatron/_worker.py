@@ -38,11 +38,12 @@ def setup():
     return parallel_state
 
 
-def tiny_config():
+def tiny_config(tp=TP, pp=1):
     from vocab_parallel_loss.megatron import _compat
 
     return _compat.transformer_config(
-        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=TP,
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -232,10 +233,35 @@ def check_model_and_curve(ps):
     return out
 
 
+def check_pipeline_stages(ps):
+    """PP=2 (TP=1): only the last stage builds the loss; megatron-core calls it only there."""
+    from vocab_parallel_loss import VocabParallelCrossEntropy
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig, VocabParallelLossGPTModel
+    from vocab_parallel_loss.megatron.layer_specs import sdpa_gpt_layer_spec
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    try:
+        first = ps.get_pipeline_model_parallel_rank() == 0
+        model = VocabParallelLossGPTModel(
+            config=tiny_config(tp=1, pp=2), transformer_layer_spec=sdpa_gpt_layer_spec(), vocab_size=VOCAB,
+            max_sequence_length=SEQ, pre_process=first, post_process=not first,
+            share_embeddings_and_output_weights=False, loss_config=VocabParallelLossConfig(enabled=True))
+        if first:
+            assert model.vocab_parallel_loss is None, "a first pipeline stage needs no loss"
+        else:
+            assert isinstance(model.vocab_parallel_loss, VocabParallelCrossEntropy)
+        return {"stage": "first" if first else "last"}
+    finally:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=TP)
+
+
 CHECKS = {
     "holds_loss": check_holds_loss,
     "loss_matches_native": check_loss_matches_native,
     "model_and_curve": check_model_and_curve,
+    "pipeline_stages": check_pipeline_stages,
 }
 
 

@@ -10,7 +10,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,17 +22,11 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_worker.py"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(args, timeout: float) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node 2`` with this interpreter; the environment (TRITON_INTERPRET) is kept."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           *map(str, args)]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -89,6 +82,12 @@ def _ok(results, name):
 @pytest.mark.timeout(360)
 def test_gpt_model_holds_vocab_parallel_cross_entropy(worker_results):
     _ok(worker_results, "holds_loss")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_only_last_pipeline_stage_builds_the_loss(worker_results):
+    _ok(worker_results, "pipeline_stages")
 
 
 @pytest.mark.distributed
