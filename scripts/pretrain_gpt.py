@@ -208,19 +208,28 @@ def print0(*a, **k) -> None:
 
 # ---------------------------------------------------------------------------------------- data
 def stdlib_texts(max_bytes: int):
-    root = Path(sysconfig.get_paths()["stdlib"])
+    """Python sources in a fixed order: the standard library, then (on a stripped install)
+    megatron-core's and torch's own sources."""
+    import megatron.core
+
+    roots = [Path(sysconfig.get_paths()["stdlib"]), Path(megatron.core.__file__).parent,
+             Path(torch.__file__).parent]
     texts, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if "site-packages" in path.parts or "test" in path.parts or "tests" in path.parts:
-            continue
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        texts.append(text)
-        total += len(text)
-        if total >= max_bytes:
-            break
+    for root in roots:
+        for path in sorted(root.rglob("*.py")):
+            rel = path.relative_to(root).parts
+            if "site-packages" in rel or "test" in rel or "tests" in rel:
+                continue
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            texts.append(text)
+            total += len(text)
+            if total >= max_bytes:
+                return texts
+    if not texts:
+        raise SystemExit("no Python sources found for the default data; use --synthetic-data")
     return texts
 
 
