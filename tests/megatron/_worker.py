@@ -51,14 +51,15 @@ def tiny_config(tp=TP, pp=1):
     )
 
 
-def build(loss_config, seed=1234, cls=None):
+def build(loss_config, seed=1234, cls=None, parallel_output=True):
     """A tiny GPTModel; CPU initialization makes the weights the same for the same seed."""
     from vocab_parallel_loss.megatron import VocabParallelLossGPTModel
     from vocab_parallel_loss.megatron.layer_specs import sdpa_gpt_layer_spec
 
     torch.manual_seed(seed)
     kwargs = dict(config=tiny_config(), transformer_layer_spec=sdpa_gpt_layer_spec(), vocab_size=VOCAB,
-                  max_sequence_length=SEQ, share_embeddings_and_output_weights=True, parallel_output=True)
+                  max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
+                  parallel_output=parallel_output)
     if cls is not None:
         return cls(**kwargs)
     return VocabParallelLossGPTModel(loss_config=loss_config, **kwargs)
@@ -176,6 +177,13 @@ def check_loss_matches_native(ps):
     out["smoothing_loss_vs_fp64"] = close("smoothed loss vs fp64", loss, ref, 1e-5, 1e-6)
     grad_full = gather_vocab(x.grad, group)
     out["smoothing_grad_vs_fp64"] = close("smoothed dlogits vs fp64", grad_full, f.grad.permute(1, 0, 2), 1e-6)
+
+    # parallel_output=False: the output layer gathers the vocabulary, so every rank holds it all.
+    model = build(VocabParallelLossConfig(enabled=True), parallel_output=False)
+    loss = model.compute_language_model_loss(labels, full.clone())
+    ref = F.cross_entropy(full.double().permute(1, 0, 2).reshape(-1, VOCAB), labels.reshape(-1),
+                          reduction="none").view(BATCH, SEQ)
+    out["gathered_loss_vs_fp64"] = close("loss of gathered logits vs fp64", loss, ref, 1e-5, 1e-6)
     return out
 
 

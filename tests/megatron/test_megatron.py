@@ -96,6 +96,7 @@ def test_compute_language_model_loss_matches_megatron(worker_results):
     r = _ok(worker_results, "loss_matches_native")
     assert r["loss_vs_native"] <= 1e-5 and r["grad_vs_native"] <= 1e-6
     assert r["inplace_grad_vs_native"] <= 1e-6
+    assert r["gathered_loss_vs_fp64"] <= 1e-5
     assert r["smoothing_loss_vs_fp64"] <= 1e-5 and r["smoothing_grad_vs_fp64"] <= 1e-6
 
 
