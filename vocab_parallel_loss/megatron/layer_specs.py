@@ -9,6 +9,7 @@ a layer spec, chosen by the caller: nothing in megatron-core is patched.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -66,5 +67,11 @@ class SDPACoreAttention(MegatronModule):
 def sdpa_gpt_layer_spec(**kwargs: Any):
     """``get_gpt_layer_local_spec(**kwargs)`` with :class:`SDPACoreAttention` as core attention."""
     spec = copy.deepcopy(get_gpt_layer_local_spec(**_compat.filter_kwargs(get_gpt_layer_local_spec, kwargs)))
-    spec.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    attention = spec.submodules.self_attention
+    if not hasattr(attention.submodules, "core_attention"):
+        raise TypeError("this megatron-core's local GPT layer spec has no self_attention core_attention")
+    try:
+        attention.submodules.core_attention = SDPACoreAttention
+    except dataclasses.FrozenInstanceError:  # should a release freeze its spec dataclasses
+        attention.submodules = dataclasses.replace(attention.submodules, core_attention=SDPACoreAttention)
     return spec
