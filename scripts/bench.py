@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Callable, Dict, Optional
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
@@ -780,8 +781,6 @@ def main(argv=None) -> dict:
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --dry-run for the CPU pipeline check")
     dev = Device("cpu" if args.dry_run else "cuda")
-    import torch._dynamo
-
     # torch.compile (and megatron's jit_fuser when it is torch.compile) compiles once per shape
     # and path: more graphs per function than dynamo's default limit of 8
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -852,7 +851,7 @@ def main(argv=None) -> dict:
 
     for case in args.shapes:
         if args.max_seconds and time.perf_counter() - start > args.max_seconds:
-            log(f"time limit reached: {case.name} and later shapes not run")
+            log(f"--max-seconds reached: {case.name} not run")
             report["skipped"][f"shape {case.name}"] = "--max-seconds reached"
             continue
         inp = Inputs.make(case, dev)
