@@ -540,17 +540,20 @@ def measure_host_overhead(dev: Device, n_calls: int) -> dict:
            "forward_backward": _time_host(
                lambda: torch.autograd.grad(cross_entropy(x, t), x, g), n_calls, dev)}
     if dev.cuda:
-        xs = x.detach()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
+        try:
+            xs = x.detach()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(3):
+                    cross_entropy(xs, t)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 cross_entropy(xs, t)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            cross_entropy(xs, t)
-        out["forward_graph_replay"] = _time_host(graph.replay, n_calls, dev)
+            out["forward_graph_replay"] = _time_host(graph.replay, n_calls, dev)
+        except Exception as e:  # keep the eager figures if the capture fails
+            out["forward_graph_replay"] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
@@ -678,20 +681,26 @@ def write_markdown(report: dict, path: Path) -> None:
         lines += [f"- {impl}: {status}: {note}: {', '.join(where)}"
                   for (impl, status, note), where in grouped.items()]
         lines.append("")
-    if report.get("collective"):
-        c = report["collective"]
-        lines += ["## TP statistics collective", "",
-                  f"N = {c['n']}, world size {c['world_size']} ({c['backend']}); GPU time per call "
-                  "(median), host time per call:", ""]
-        for k in ("all_gather_4xN", "all_reduce_max_then_sum"):
-            v = c.get(k, {})
-            lines.append(f"- {k}: " + (v["error"] if "error" in v else
-                                         f"{v['us_median']:.1f} us GPU, {v['host_us']:.1f} us host"))
-        lines.append("")
-    if report.get("host_overhead"):
-        h = report["host_overhead"]
+    c = report.get("collective")
+    if c:
+        lines += ["## TP statistics collective", ""]
+        if "error" in c:
+            lines += [f"failed: {c['error']}", ""]
+        else:
+            lines += [f"N = {c['n']}, world size {c['world_size']} ({c['backend']}); GPU time per "
+                      "call (median), host time per call:", ""]
+            for k in ("all_gather_4xN", "all_reduce_max_then_sum"):
+                v = c.get(k, {})
+                lines.append(f"- {k}: " + (v["error"] if "error" in v else
+                                             f"{v['us_median']:.1f} us GPU, {v['host_us']:.1f} us host"))
+            lines.append("")
+    h = report.get("host_overhead")
+    if h:
         lines += ["## Host overhead of ours (tiny input, per call)", ""]
-        lines += [f"- {k}: {v['host_us']:.1f} us host, {v['wall_us']:.1f} us wall"
+        if "error" in h:
+            lines.append(f"failed: {h['error']}")
+        lines += [f"- {k}: " + (v["error"] if "error" in v else
+                               f"{v['host_us']:.1f} us host, {v['wall_us']:.1f} us wall")
                   for k, v in h.items() if isinstance(v, dict)]
         lines.append("")
     path.write_text("\n".join(lines))
