@@ -749,7 +749,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, CPU-capable impls only: checks the pipeline")
     p.add_argument("--shapes", type=lambda s: [Case.parse(x) for x in s.split(",") if x],
-                   help="comma list of NxV[-fp32][-ls0.1] (default: the issue's shapes)")
+                   help="comma list of NxV[-fp32][-ls0.1][-z1e-4] (default: the issue's shapes)")
     p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x],
                    help=f"comma list from: {', '.join(IMPLS)}")
     p.add_argument("--paths", type=lambda s: [x for x in s.split(",") if x], default=list(PATHS),
