@@ -20,6 +20,11 @@ from ._runtime import capturing, compiling
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
+# torch 2.13 renamed the tensor-to-tensor collectives (the old names warn); older torch has only
+# the old ones
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def world_size(group: ProcessGroup) -> int:
     if group is None or not dist.is_available() or not dist.is_initialized():
@@ -65,7 +70,7 @@ def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.devic
         return
     mine = torch.tensor([local_size], dtype=torch.int64, device=device)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, mine, group=group)
+    _all_gather(sizes, mine, group=group)
     sizes = sizes.tolist()
     if any(s != local_size for s in sizes):
         raise ValueError(
@@ -86,7 +91,7 @@ def gather_stats(stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     k, rows = stats.shape
     # concatenated along dim 0 (the layout every backend accepts, gloo included), then split
     out = torch.empty((n * k, rows), dtype=stats.dtype, device=stats.device)
-    dist.all_gather_into_tensor(out, stats.contiguous(), group=group)
+    _all_gather(out, stats.contiguous(), group=group)
     return out.view(n, k, rows)
 
 
@@ -105,7 +110,7 @@ def gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.T
     tensor = tensor.contiguous()
     out = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.all_gather_into_tensor(out, tensor, group=group)
+    _all_gather(out, tensor, group=group)
     return out
 
 
@@ -119,5 +124,5 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
     tensor = tensor.contiguous()
     out = torch.empty((tensor.shape[0] // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
-    dist.reduce_scatter_tensor(out, tensor, op=dist.ReduceOp.SUM, group=group)
+    _reduce_scatter(out, tensor, op=dist.ReduceOp.SUM, group=group)
     return out
