@@ -86,11 +86,11 @@ class LCEConfig:
     bwd_warps: int = 8
     bwd_stages: int = 3
     mm_block_m: int = 128
-    mm_block_n: int = 256
+    mm_block_n: int = 128  # 256 spills in the fp32 read-modify-write epilogue of dE
     mm_block_k: int = 64
     mm_group_m: int = 8
     mm_warps: int = 8
-    mm_stages: int = 3
+    mm_stages: int = 4
     chunk_bytes: int = 128 * 1024 * 1024
     matmul: str = "torch"
     grad_in_forward: str = "never"
@@ -243,13 +243,15 @@ def _lce_fwd_kernel(
             x += b[None, :]
         if HAS_SOFTCAP:
             x = softcap * _tanh(x / softcap)
-        xm = tl.where(col_mask[None, :], x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(xm, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(xm - m_new[:, None]), axis=1)
-        m = m_new
+        # one live tile at a time (128x256 fp32 is half the register file): reuse x in place
+        # and let every other tile be a temporary consumed by its reduction
         tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
         if NEED_SUMX:
             sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
+        x = tl.where(col_mask[None, :], x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
 
     base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
     tl.store(base, m, mask=row_mask)
@@ -295,6 +297,7 @@ def _lce_dlogits_kernel(
     if HAS_BIAS:
         b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
         z += b[None, :]
+
     if HAS_SOFTCAP:
         th = _tanh(z / softcap)
         x = softcap * th
@@ -308,9 +311,8 @@ def _lce_dlogits_kernel(
     gc = tl.load(COEF + 3 * N + r64)
     t = tl.load(TGT + r64 * stride_t).to(tl.int64) - v_offset
     t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
-
-    p = tl.exp(x - lse[:, None])
-    dx = gp[:, None] * p - gc[:, None] - tl.where(cols[None, :] == t_local[:, None], gt[:, None], 0.0)
+    onehot = cols[None, :] == t_local[:, None]
+    dx = gp[:, None] * tl.exp(x - lse[:, None]) - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
     if HAS_SOFTCAP:
         dx = dx * (1.0 - th * th)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -342,27 +344,29 @@ def _mm_kernel(
 
     offs_m = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ld = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
-    n_ld = tl.where(offs_n < NN, offs_n, 0).to(tl.int64)
+    m_ok = offs_m < M
+    n_ok = offs_n < NN
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + m_ld[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
-    b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + n_ld[None, :] * stride_bn
+    # Masks, not wrapped offsets: either operand may be contiguous along M or N (dz.T), and
+    # wrapped offsets would hide that contiguity from the vectorizer (no cp.async pipelining).
+    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
+    b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
+            a = tl.load(a_ptrs, mask=m_ok[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
         else:
             km = (k0 + offs_k) < K
-            a = tl.load(a_ptrs, mask=km[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=km[:, None], other=0.0)
+            a = tl.load(a_ptrs, mask=m_ok[:, None] & km[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=km[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
-    mask = (offs_m < M)[:, None] & (offs_n < NN)[None, :]
+    mask = m_ok[:, None] & n_ok[None, :]
     o_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on
     if ACCUMULATE:
         acc += tl.load(o_ptrs, mask=mask, other=0.0)
