@@ -308,12 +308,13 @@ def main() -> None:
     meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
                 triton=triton.__version__,
                 time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                config=dataclasses.asdict(cfg))
+                config=dataclasses.asdict(cfg), cublas_fp32_out=dict(K.TORCH_DTYPE_MM))
     rows, notes = [], []
     if not args.sweep_only:
         shapes = [(args.n, args.h, v) for v in args.vocab]
         rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
                                 cfg)
+    meta["cublas_fp32_out"] = dict(K.TORCH_DTYPE_MM)  # after use: False where it fell back
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")

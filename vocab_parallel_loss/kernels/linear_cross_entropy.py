@@ -528,24 +528,26 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
     )
 
 
-_TORCH_DTYPE_MM = {"ok": True}
+#: Whether cuBLAS through ``torch.mm`` / ``torch.addmm`` with ``out_dtype=torch.float32`` works
+#: here (probed on first use; older PyTorch lacks it or requires ``self`` in the input dtype).
+TORCH_DTYPE_MM = {"mm": True, "addmm": True}
 
 
-def _use_torch_mm(a: torch.Tensor, cfg: LCEConfig) -> bool:
-    return cfg.matmul == "torch" and a.is_cuda and _TORCH_DTYPE_MM["ok"]
+def _use_torch_mm(a: torch.Tensor, cfg: LCEConfig, op: str) -> bool:
+    return cfg.matmul == "torch" and a.is_cuda and TORCH_DTYPE_MM[op]
 
 
-def _torch_mm_failed(ex: Exception) -> None:
+def _torch_mm_failed(op: str, ex: Exception) -> None:
     import warnings
 
-    _TORCH_DTYPE_MM["ok"] = False
-    warnings.warn(f"torch.mm/addmm with out_dtype=float32 unavailable ({ex!r}); "
-                  "using the Triton GEMM for the gradients", RuntimeWarning, stacklevel=3)
+    TORCH_DTYPE_MM[op] = False
+    warnings.warn(f"torch.{op} with out_dtype=float32 unavailable ({ex!r}); "
+                  "using the Triton GEMM for that gradient", RuntimeWarning, stacklevel=3)
 
 
 def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig) -> None:
     """``acc += a @ b`` with ``acc`` fp32 and fp32 accumulation."""
-    if _use_torch_mm(a, cfg):
+    if _use_torch_mm(a, cfg, "addmm"):
         try:
             if a.dtype == torch.float32:
                 acc.addmm_(a, b)
@@ -553,14 +555,14 @@ def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig
                 torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
-            _torch_mm_failed(ex)
+            _torch_mm_failed("addmm", ex)
     _mm(a, b, acc, True, cfg)
 
 
 def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig,
                tmp: Optional[torch.Tensor]) -> None:
     """``out = a @ b`` accumulated in fp32 and rounded once to ``out.dtype``."""
-    if _use_torch_mm(a, cfg):
+    if _use_torch_mm(a, cfg, "mm"):
         try:
             if a.dtype == torch.float32:
                 torch.mm(a, b, out=out)
@@ -572,7 +574,7 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
                 out.copy_(t)
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
-            _torch_mm_failed(ex)
+            _torch_mm_failed("mm", ex)
     _mm(a, b, out, False, cfg)
 
 
@@ -608,8 +610,11 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     vc = min(vc, triton.cdiv(V, BV) * BV)
     d = torch.empty((N, vc), dtype=e.dtype, device=dev)
     tmp = None
-    if need_dc and _use_torch_mm(e, cfg) and e.dtype != torch.float32:
-        tmp = torch.empty((vc, H), dtype=torch.float32, device=dev)
+    tmp_rows = vc
+    if need_dc and _use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32:
+        # fp32 staging of dC rows for cuBLAS (rounded once into dc): at most ~64 MiB
+        tmp_rows = max(1, min(vc, (64 << 20) // (4 * max(H, 1))))
+        tmp = torch.empty((tmp_rows, H), dtype=torch.float32, device=dev)
     num_rb = triton.cdiv(N, BN)
     db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
     dot_prec = _dot_precision(e.dtype)
@@ -629,8 +634,10 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         dz = d[:, :nc]
         if need_de:
             gemm_acc(de, dz, c[v0:v0 + nc], cfg)  # dE += dz @ c_chunk (fp32)
-        if need_dc:
-            gemm_store(dc[v0:v0 + nc], dz.t(), e, cfg, tmp)  # dC_chunk = dz.T @ e, rounded once
+        if need_dc:  # dC_chunk = dz.T @ e, rounded once
+            for s0 in range(0, nc, tmp_rows):
+                s1 = min(nc, s0 + tmp_rows)
+                gemm_store(dc[v0 + s0:v0 + s1], dz[:, s0:s1].t(), e, cfg, tmp)
         if need_dbias:
             db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
     return de, dc, db
