@@ -3,6 +3,7 @@
     python scripts/bench_linear.py                       # the table: N=16384, H=4096, V in {128256, 16032}
     python scripts/bench_linear.py --sweep               # tile sweep of ours first, then the table with the best
     python scripts/bench_linear.py --config '{"fwd_block_v": 128}' --impls ours
+    TRITON_INTERPRET=1 python scripts/bench_linear.py --smoke-cpu --n 64 --h 32 --vocab 301   # plumbing
 
 Each implementation runs forward + backward (``torch.autograd.grad`` of e and c) in bf16, for
 ``reduction="mean"`` and for ``reduction="none"`` with a non-uniform per-token upstream gradient.
@@ -35,6 +36,38 @@ from vocab_parallel_loss.kernels import linear_cross_entropy as K  # noqa: E402
 from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 
 GiB = 2**30
+DEV = "cuda"  # --smoke-cpu switches to "cpu" (plumbing check under TRITON_INTERPRET=1)
+
+
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mem_reset():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated()
+    return 0
+
+
+def _mem_peak():
+    return torch.cuda.max_memory_allocated() if DEV == "cuda" else 0
+
+
+def _empty_cache():
+    if DEV == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _bench(fn, warmup, rep):
+    if DEV == "cuda":
+        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+    import time
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 # ----------------------------------------------------------------------------------- peers
@@ -136,29 +169,27 @@ def measure(fn, e, c, t, red, up, warmup, rep):
 
     loss, grads = step()  # compile / autotune
     del grads
-    torch.cuda.synchronize()
+    _sync()
     # memory: second run, previous outputs freed; the gradients left behind are counted
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
+    base = _mem_reset()
     loss, grads = step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
+    _sync()
+    peak = _mem_peak() - base
     grad_bytes = sum(g.numel() * g.element_size() for g in grads)
     loss_val = loss.detach().float().clone()
     del grads, loss
-    ms = triton.testing.do_bench(lambda: step(), warmup=warmup, rep=rep, return_mode="median")
+    ms = _bench(lambda: step(), warmup, rep)
     return ms, peak, grad_bytes, loss_val
 
 
 def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
     rows, notes = [], []
     for n, h, v in shapes:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        e = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-        c = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-        t = torch.randint(0, v, (n,), device="cuda", generator=g)
-        up = torch.rand(n, device="cuda", generator=g) + 0.5
+        g = torch.Generator(device=DEV).manual_seed(0)
+        e = (torch.randn(n, h, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
+        c = (torch.randn(v, h, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
+        t = torch.randint(0, v, (n,), device=DEV, generator=g)
+        up = torch.rand(n, device=DEV, generator=g) + 0.5
         ref = reference_loss(e.detach(), c.detach(), t)
         for name in impls:
             try:
@@ -179,7 +210,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
                     notes.append(msg)
                     print(msg, flush=True)
                     traceback.print_exc()
-                    torch.cuda.empty_cache()
+                    _empty_cache()
                     continue
                 want = ref.mean() if red == "mean" else ref
                 err = (loss.reshape(want.shape) - want).abs().max().item()
@@ -191,9 +222,9 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
                            max_loss_err=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                torch.cuda.empty_cache()
+                _empty_cache()
         del e, c, t, up, ref
-        torch.cuda.empty_cache()
+        _empty_cache()
     return rows, notes
 
 
@@ -240,11 +271,11 @@ SWEEP = [
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    e = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
-    c = (torch.randn(v, h, device="cuda", generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
-    up = torch.rand(n, device="cuda", generator=g) + 0.5
+    g = torch.Generator(device=DEV).manual_seed(0)
+    e = (torch.randn(n, h, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
+    c = (torch.randn(v, h, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV, generator=g)
+    up = torch.rand(n, device=DEV, generator=g) + 0.5
     base = K.default_config(e.device)
     results = []
     for delta in sweep_list:
@@ -253,16 +284,16 @@ def sweep(n, h, v, warmup, rep, sweep_list):
         red = "mean" if delta.get("grad_in_forward", "never") != "never" else "none"
         try:
             with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
-                fwd_ms = triton.testing.do_bench(
+                fwd_ms = _bench(
                     lambda: linear_cross_entropy(e, c, t, reduction=red, impl="triton"),
-                    warmup=warmup, rep=rep, return_mode="median")
+                    warmup, rep)
             ms, peak, gbytes, _ = measure(make_ours(), e, c, t, red, up, warmup, rep)
         except Exception as ex:
             print(f"sweep {delta}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             continue
         r = dict(delta=delta, reduction=red, fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
                  fwd_tflops=round(2 * n * h * v / fwd_ms / 1e9, 1),
-                 bwd_tflops=round(6 * n * h * v / (ms - fwd_ms) / 1e9, 1),
+                 bwd_tflops=round(6 * n * h * v / max(ms - fwd_ms, 1e-6) / 1e9, 1),
                  tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),
                  tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
                  peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3))
@@ -291,9 +322,14 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=25, help="ms (do_bench)")
     ap.add_argument("--rep", type=int, default=200, help="ms (do_bench)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--h/--vocab)")
     args = ap.parse_args()
 
-    dev = torch.device("cuda")
+    global DEV
+    if args.smoke_cpu:
+        DEV = "cpu"
+    dev = torch.device(DEV)
     if args.config:
         K.OVERRIDE_CONFIG = K.default_config(dev).replace(**json.loads(args.config))
     sweep_rows = []
@@ -305,7 +341,8 @@ def main() -> None:
             print(f"best sweep config: {json.dumps(best['delta'])} ({best['ms']} ms)", flush=True)
             K.OVERRIDE_CONFIG = K.default_config(dev).replace(**best["delta"])
     cfg = K.default_config(dev)
-    meta = dict(device=torch.cuda.get_device_name(dev), torch=torch.__version__,
+    meta = dict(device=torch.cuda.get_device_name(dev) if DEV == "cuda" else "cpu-smoke",
+                torch=torch.__version__,
                 triton=triton.__version__,
                 time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 config=dataclasses.asdict(cfg), cublas_fp32_out=dict(K.TORCH_DTYPE_MM))
