@@ -225,7 +225,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         v_global = v_local * world
         v_offset = rank * v_local
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
-        n = t2.numel()
         grads = (None, None, None)
         if o.grad_in_forward:
             lse, tgt, sumx, grads = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
@@ -248,7 +247,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             out = loss.sum()
         else:
             out = loss.sum() / count.clamp(min=1)
-        del n
         return out, lse_out
 
     @staticmethod
