@@ -262,6 +262,8 @@ SWEEP = [
     dict(matmul="triton"),
     dict(chunk_bytes=256 << 20),
     dict(split=1),
+    dict(split=8),
+    dict(split=16, fwd_group_n=8),
     dict(fwd_group_n=8, bwd_group_n=16),
     dict(grad_in_forward="always"),
     dict(grad_in_forward="always", gif_rows=8192),

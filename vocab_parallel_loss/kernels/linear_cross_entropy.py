@@ -55,7 +55,7 @@ class LCEConfig:
 
     ``fwd_*``: forward statistics kernel; ``bwd_*``: dlogits recompute kernel; ``mm_*``: the two
     gradient GEMMs. ``split``: vocabulary splits per row block in the forward (0 = choose so that
-    the grid covers ``2 x`` the multiprocessors). ``chunk_bytes``: size of the ``(N, Vc)`` dlogits
+    the grid covers ``4 x`` the multiprocessors). ``chunk_bytes``: size of the ``(N, Vc)`` dlogits
     buffer in backward (bigger = fewer, larger GEMMs; extra memory). ``matmul``: the two gradient
     GEMMs in ``"triton"`` (``_mm_kernel``) or ``"torch"`` (cuBLAS through ``torch.addmm`` /
     ``torch.mm`` with ``out_dtype=torch.float32``: fp32 accumulation and output, so ``dE``
@@ -479,7 +479,9 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     _check_tiles(BN, BV, BH)
     num_rb = triton.cdiv(N, BN)
     num_vt = triton.cdiv(V, BV)
-    split = cfg.split or max(1, triton.cdiv(2 * _num_sms(e.device), num_rb))
+    # enough programs for ~4 waves, so that the programs in flight form a compact block of
+    # (GROUP_N row blocks x splits) whose E rows and C tiles stay in L2
+    split = cfg.split or max(1, triton.cdiv(4 * _num_sms(e.device), num_rb))
     split = min(split, num_vt)
     tiles_per_split = triton.cdiv(num_vt, split)
     split = triton.cdiv(num_vt, tiles_per_split)  # every split non-empty
