@@ -272,7 +272,7 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the statistics pass (tuned on the H200: scripts/tune_kernels.py)."""
     # H200 sweep (2026-12-02, scripts/tune_kernels.py): 2048-element blocks of 16-byte vectors
     # with 4 warps were within 3% of the best on every shape (0.99-1.12x the 2 B bound)
-    vec = 16 // torch.tensor([], dtype=dtype).element_size()
+    vec = 16 // dtype.itemsize
     return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4)
 
 

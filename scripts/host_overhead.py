@@ -1,0 +1,52 @@
+"""Where the host time of one forward goes (CUDA): allocation, kernel launch, Python layers.
+
+    python scripts/host_overhead.py
+
+Each figure is the mean CPU time per call over many calls on a tiny input (the GPU work is
+negligible, so this is the launch-bound cost a small model or a short sequence pays).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vocab_parallel_loss import cross_entropy
+from vocab_parallel_loss._layout import row_view
+from vocab_parallel_loss.kernels import cross_entropy as K
+
+
+def per_call_us(fn, n=2000) -> float:
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def main() -> None:
+    x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 128, (8,), device="cuda")
+    loss = torch.empty(8, device="cuda")
+    lse = torch.empty(8, device="cuda")
+    view = row_view(x)
+    opts = dict(vocab_start=0, vocab_size=128, ignore_index=-100, smoothing=0.0, z_loss=0.0)
+    rows = {
+        "torch.empty x2": lambda: (torch.empty(8, device="cuda"), torch.empty(8, device="cuda")),
+        "triton forward launch": lambda: K.forward(view, t, loss=loss, lse=lse, **opts),
+        "cross_entropy(none), no grad": lambda: cross_entropy(x.detach(), t),
+        "cross_entropy(none)": lambda: cross_entropy(x, t),
+        "cross_entropy(mean)": lambda: cross_entropy(x, t, reduction="mean"),
+        "fwd+bwd (none)": lambda: torch.autograd.grad(cross_entropy(x, t).sum(), x),
+    }
+    for name, fn in rows.items():
+        print(f"{name:32s} {per_call_us(fn):8.1f} us", flush=True)
+
+
+if __name__ == "__main__":
+    main()
