@@ -66,39 +66,15 @@ def backward_impl(view, t, lse, dloss, count, opts, inplace):
     return dview.tensor
 
 
-def _use_fused_reduced(ctx, logits, t, group, reduction, inplace_backward) -> bool:
-    """A reduced loss whose rows fit on chip gets its gradient in the forward pass (4 B/element).
-
-    Only without TP (the gradient needs the global lse), when a gradient is wanted, and not with
-    ``inplace_backward`` (the logits must survive forward in case the upstream gradient is not 1).
-    """
-    return (reduction != "none" and ctx.needs_input_grad[0] and not inplace_backward
-            and t.numel() > 0 and distributed.world_size(group) == 1
-            and _backend(logits) is _triton_kernels
-            and logits.shape[-1] <= _triton_kernels.FUSED_REDUCED_MAX_V)
-
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, smoothing, z_loss, reduction,
                 inplace_backward):
         t = target.reshape(-1)
         count = (t != ignore_index).sum() if reduction == "mean" else None
-        ctx.fused = _use_fused_reduced(ctx, logits, t, group, reduction, inplace_backward)
-        if ctx.fused:
-            view = row_view(logits)
-            grad = like_rows(view)
-            loss = torch.empty(t.numel(), dtype=torch.float32, device=logits.device)
-            lse = torch.empty_like(loss)
-            opts = dict(ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
-            _triton_kernels.fused_reduced(view, grad, t, loss, lse, count, **opts)
-            opts.update(vocab_size=view.vocab, vocab_start=0)
-            ctx.grad_rows = (grad.s0, grad.s1)
-            ctx.save_for_backward(view.tensor, t, lse, count, grad.tensor)
-        else:
-            view, loss, lse, opts = forward_impl(logits, t, group, ignore_index, smoothing, z_loss)
-            # view.tensor is the logits themselves except for layouts that needed a copy
-            ctx.save_for_backward(view.tensor, t, lse, count)
+        view, loss, lse, opts = forward_impl(logits, t, group, ignore_index, smoothing, z_loss)
+        # view.tensor is the logits themselves except for layouts that needed a copy
+        ctx.save_for_backward(view.tensor, t, lse, count)
         ctx.rows = (view.D1, view.s0, view.s1)
         ctx.opts = opts
         ctx.inplace_backward = inplace_backward
@@ -109,13 +85,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
-        if ctx.fused:
-            logits, t, lse, count, grad = ctx.saved_tensors
-            view = RowView(logits, *ctx.rows)
-            dview = RowView(grad, ctx.rows[0], *ctx.grad_rows)
-            # recomputes (into the same buffer) only if the upstream gradient is not exactly 1
-            _triton_kernels.backward(view, dview, t, lse, dloss, count, skip_unit=True, **ctx.opts)
-            return grad, None, None, None, None, None, None, None
         logits, t, lse, count = ctx.saved_tensors
         grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, ctx.opts,
                              ctx.inplace_backward)

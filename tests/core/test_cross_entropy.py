@@ -310,8 +310,7 @@ def test_bad_input_errors():
 @pytest.mark.parametrize("upstream", [1.0, 0.5])
 @pytest.mark.parametrize("layout", ["contiguous", "sbv_transposed", "narrowed"])
 def test_reduced_loss_unit_and_scaled_upstream(impl, reduction, upstream, layout):
-    # the Triton path computes the gradient in forward for a unit upstream gradient and
-    # recomputes it in backward otherwise: both must match the reference
+    # a unit upstream gradient (loss.backward()) and a scaled one, through every layout
     logits = make_logits((5, 3, 61), torch.bfloat16, layout).requires_grad_()
     target = make_target((5, 3), 61)
     loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, z_loss=1e-3)

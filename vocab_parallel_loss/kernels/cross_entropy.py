@@ -14,6 +14,11 @@ pre-scaled values. The forward keeps a running max per 16-byte vector (see ``_ro
 each element costs one ``exp2``: a running max per element would cost two, which is at the H200's
 special-function throughput limit for bf16 at full HBM bandwidth, and a block-wide running max
 costs a shared-memory reduction per block (measured 1.2-3.7x the bound with 4-16 warps).
+
+Reduced losses take the same two passes. A fused variant that kept a whole row (<= 32K) in
+registers and wrote the unit gradient during forward (4 B/element instead of 6) measured
+1.86-2.5x the 4 B bound on the H200 with 4-32 warps, slower than the two passes (1.53-1.60x), so
+it was dropped: one program holding a row cannot keep enough loads in flight.
 """
 
 from __future__ import annotations
@@ -157,18 +162,9 @@ def _ce_backward_kernel(
     V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    SKIP_UNIT: tl.constexpr,
 ):
-    """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once.
-
-    With SKIP_UNIT, ``dx`` already holds the gradient for an upstream gradient of exactly 1
-    (written by the fused forward of a reduced loss): the kernel then returns at once when the
-    upstream gradient is 1, a decision taken on the device, without a host sync.
-    """
+    """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once."""
     row = tl.program_id(0)
-    if SKIP_UNIT:
-        if tl.load(dloss_ptr).to(tl.float32) == 1.0:
-            return
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     dx_row = dx_ptr + _row_start(row, D1, d0, d1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
@@ -196,72 +192,6 @@ def _ce_backward_kernel(
             dx -= uniform
         dx = tl.where(valid, dx, 0.0)
         tl.store(dx_row + idx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _ce_fused_reduced_kernel(
-    x_ptr, dx_ptr, tgt_ptr, loss_ptr, lse_ptr, count_ptr,
-    V, D1, s0, s1, d0, d1, tgt_stride, ignore_index, smoothing, z_loss,
-    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """Loss, lse and the gradient for an upstream gradient of 1, from one read of the row.
-
-    For a reduced loss without TP the whole row fits in registers (BLOCK >= V): read once, write
-    the gradient once, 4 B per bf16 element instead of 6 B for a separate backward pass.
-    """
-    row = tl.program_id(0)
-    x_row = x_ptr + _row_start(row, D1, s0, s1)
-    dx_row = dx_ptr + _row_start(row, D1, d0, d1)
-    t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
-    idx = tl.arange(0, BLOCK)
-    mask = idx < V
-    x = tl.load(x_row + idx, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-    x = x.to(tl.float32)
-    m = tl.max(x, 0)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    p = tl.exp2((x - m_safe) * 1.4426950408889634)
-    s = tl.sum(p, 0)
-    m = tl.where(s != s, s, m)
-    lse = m + tl.log2(s) * 0.6931471805599453
-    is_t = idx == t
-    x_t = tl.sum(tl.where(is_t, x, 0.0), 0)
-    if HAS_SMOOTHING:
-        sum_x = tl.sum(tl.where(mask, x, 0.0), 0)
-    else:
-        sum_x = 0.0
-    loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V, ignore_index, smoothing, z_loss,
-                                 HAS_SMOOTHING, HAS_Z)
-    tl.store(loss_ptr + row, loss)
-    tl.store(lse_ptr + row, lse)
-    g = 1.0
-    if MEAN:
-        g = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
-    valid = t != ignore_index
-    # softmax from the row max already in registers: p / s == exp(x - lse)
-    coef = g / s
-    if HAS_Z:
-        coef = coef * (1.0 + 2.0 * z_loss * lse)
-    dx = coef * p - tl.where(is_t, g * (1.0 - smoothing), 0.0)
-    if HAS_SMOOTHING:
-        dx -= g * smoothing / V
-    dx = tl.where(valid, dx, 0.0)
-    tl.store(dx_row + idx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-
-
-#: longest row the fused reduced path keeps on chip (fp32 in registers of one program)
-FUSED_REDUCED_MAX_V = 32768
-
-
-def fused_reduced(view, dview, target, loss, lse, count, *, ignore_index, smoothing, z_loss):
-    """Forward of a reduced (mean/sum) loss without TP that also writes the unit gradient."""
-    n, v = target.numel(), view.vocab
-    block = max(16, triton.next_power_of_2(v))
-    _ce_fused_reduced_kernel[(n,)](
-        view.tensor, dview.tensor, target, loss, lse, count if count is not None else lse,
-        v, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), ignore_index,
-        float(smoothing), float(z_loss), MEAN=count is not None, HAS_SMOOTHING=smoothing > 0,
-        HAS_Z=z_loss != 0, BLOCK=block, num_warps=max(4, min(32, block // 512)),
-    )
 
 
 def _block(v_local: int, cap: int) -> int:
@@ -312,7 +242,7 @@ def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z
 
 
 def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size, ignore_index,
-             smoothing, z_loss, skip_unit=False):
+             smoothing, z_loss):
     """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
 
     ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
@@ -324,5 +254,5 @@ def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size,
         v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), dloss.stride(0) if dloss.dim() else 0,
         vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
         MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        SKIP_UNIT=skip_unit, **backward_config(v_local, view.tensor.dtype),
+        **backward_config(v_local, view.tensor.dtype),
     )
