@@ -11,9 +11,11 @@ tokenized by a byte-level BPE tokenizer trained on the fly (``tokenizers``); ``-
 gives learnable synthetic sequences over ``--vocab-size`` tokens instead.
 
 Loss: ``--vocab-parallel-loss`` (our loss), or ``--native-loss`` for megatron-core's own
-(``--cross-entropy-loss-fusion`` selects its fused one). ``--compare-native`` also runs
-megatron-core's loss on the same logits every step and prints the largest difference in loss and
-in the logits' gradient.
+(``--cross-entropy-loss-fusion`` selects its fused one). ``--vocab-parallel-loss-fused-linear``
+fuses the output layer with our loss: the logits are never materialized. ``--compare-native`` also
+runs megatron-core's loss on the same logits every step and prints the largest difference in loss
+and in the logits' gradient (with the fused path, which has no logits: the logits are computed
+apart from the model for the comparison, and the gradient compared is the output layer's input's).
 """
 
 from __future__ import annotations
@@ -434,10 +436,12 @@ def main(argv=None) -> dict:
     model, config = build_model(args, padded, device)
     loss_name = "vocab_parallel_loss" if model.vocab_parallel_loss is not None else (
         "megatron native fused" if args.cross_entropy_loss_fusion else "megatron native")
+    fused_linear = model.vocab_parallel_loss is not None and model.loss_config.fused_linear
     n_params = sum(p.numel() for p in model.parameters())
     print0(
         f"megatron-core {_compat.megatron_version()}, torch {torch.__version__}, {dist.get_backend()} on {device.type}, "
         f"world {world} = TP {tp} x DP {dp_size}; {n_params:,} parameters per rank; loss: {loss_name}"
+        + (" fused with the output layer (no logits)" if fused_linear else "")
     )
     opt = MixedPrecisionAdamW(model.parameters(), args, tp_group, tp_rank, dp_group, dp_size)
 
@@ -449,7 +453,23 @@ def main(argv=None) -> dict:
             captured["logits"] = logits.detach().clone()
             if logits.requires_grad:
                 logits.register_hook(lambda g: captured.__setitem__("grad", g.detach().clone()))
-        model.output_layer.register_forward_hook(keep_logits)
+        def keep_hidden(_module, _inputs, output):
+            # The fused path never runs the output layer: compute its logits apart, for the
+            # comparison only, and keep the gradient of its input (the decoder's output).
+            hidden = output[0] if isinstance(output, tuple) else output
+            weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights \
+                else model.output_layer.weight
+            with torch.no_grad():
+                logits, _ = model.output_layer(hidden.detach(), weight=weight)
+            captured["logits"] = logits.detach().clone()
+            captured["weight"] = weight.detach()
+            if hidden.requires_grad:
+                hidden.register_hook(lambda g: captured.__setitem__("hidden_grad", g.detach().clone()))
+
+        if fused_linear:
+            model.decoder.register_forward_hook(keep_hidden)
+        else:
+            model.output_layer.register_forward_hook(keep_logits)
 
     bar = progress_bar(total=args.train_iters, disable=dist.get_rank() != 0 or args.no_progress_bar,
                        dynamic_ncols=True)
@@ -470,7 +490,7 @@ def main(argv=None) -> dict:
             diff = native_diff(per_token, labels, captured, tp_group)
         loss.backward()
         if args.compare_native:
-            diff = diff + (grad_diff(captured, labels.numel()),)
+            diff = diff + (grad_diff(captured, tp_group),)
         grad_norm = opt.step(lr_at(step, args))
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -512,6 +532,8 @@ def main(argv=None) -> dict:
         tokens_per_s=tokens_per_step / step_time, peak_memory_gib=peak,
         max_abs_loss_diff_vs_native=max((d[0] for d in diffs), default=None),
         max_abs_grad_diff_vs_native=max((d[1] for d in diffs), default=None),
+        fused_linear=fused_linear,
+        grad_diff_of=("output layer input" if fused_linear else "logits") if diffs else None,
     )
     print0(
         f"done: loss {losses[0]:.4f} -> {losses[-1]:.4f} | step time {step_time * 1e3:.1f} ms (mean after {skip}) | "
@@ -544,8 +566,16 @@ def native_diff(per_token, labels, captured, tp_group):
     return (float((per_token.detach().float() - ref).abs().max()),)
 
 
-def grad_diff(captured, n_tokens) -> float:
+def grad_diff(captured, tp_group) -> float:
+    """The logits' gradient vs megatron-core's; with the fused path (no logits), the gradient of the
+    output layer's input vs megatron-core's logits gradient through the output layer."""
     grad, ref = captured.pop("grad", None), captured.pop("ref_grad", None)
+    hidden_grad, weight = captured.pop("hidden_grad", None), captured.pop("weight", None)
+    if hidden_grad is not None and ref is not None:
+        grad = hidden_grad
+        ref = ref.detach() @ weight.float()  # [s, b, h]: this rank's vocabulary shard's part
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            dist.all_reduce(ref, group=tp_group)
     if grad is None or ref is None:
         return float("nan")
     return float((grad.detach().float() - ref.detach()).abs().max())

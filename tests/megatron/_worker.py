@@ -9,6 +9,8 @@ or fp64 ``torch.nn.functional.cross_entropy`` on the all-gathered full-vocabular
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -38,12 +40,12 @@ def setup():
     return parallel_state
 
 
-def tiny_config(tp=TP, pp=1):
+def tiny_config(tp=TP, pp=1, sequence_parallel=False):
     from vocab_parallel_loss.megatron import _compat
 
     return _compat.transformer_config(
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, sequence_parallel=sequence_parallel,
         use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False, apply_rope_fusion=False,
@@ -51,14 +53,43 @@ def tiny_config(tp=TP, pp=1):
     )
 
 
-def build(loss_config, seed=1234, cls=None, parallel_output=True):
-    """A tiny GPTModel; CPU initialization makes the weights the same for the same seed."""
-    from vocab_parallel_loss.megatron import VocabParallelLossGPTModel
+class SequenceParallelTorchNorm:
+    """torch LayerNorm / RMSNorm that megatron-core's ``WrappedTorchNorm`` would build, allowed under
+    sequence parallelism (test scaffolding): its parameters carry ``sequence_parallel`` like
+    megatron-core's fused norms, whose gradients Megatron all-reduces over TP."""
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **_):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", config.sequence_parallel)
+        return norm
+
+
+def layer_spec(sequence_parallel=False):
+    """The SDPA local GPT spec; with sequence parallelism, a block spec with norms that allow it."""
     from vocab_parallel_loss.megatron.layer_specs import sdpa_gpt_layer_spec
 
+    spec = sdpa_gpt_layer_spec()
+    if not sequence_parallel:
+        return spec
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name, IdentityOp) is not IdentityOp:
+            setattr(spec.submodules, name, SequenceParallelTorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * LAYERS, layer_norm=SequenceParallelTorchNorm)
+
+
+def build(loss_config, seed=1234, cls=None, parallel_output=True, tied=True, sequence_parallel=False):
+    """A tiny GPTModel; CPU initialization makes the weights the same for the same seed."""
+    from vocab_parallel_loss.megatron import VocabParallelLossGPTModel
+
     torch.manual_seed(seed)
-    kwargs = dict(config=tiny_config(), transformer_layer_spec=sdpa_gpt_layer_spec(), vocab_size=VOCAB,
-                  max_sequence_length=SEQ, share_embeddings_and_output_weights=True,
+    kwargs = dict(config=tiny_config(sequence_parallel=sequence_parallel),
+                  transformer_layer_spec=layer_spec(sequence_parallel),
+                  vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied,
                   parallel_output=parallel_output)
     if cls is not None:
         return cls(**kwargs)
@@ -265,7 +296,118 @@ def check_pipeline_stages(ps):
         ps.initialize_model_parallel(tensor_model_parallel_size=TP)
 
 
+def check_fused_linear(ps):
+    """--vocab-parallel-loss-fused-linear: the loss from the output layer's input and weight equals
+    our loss on materialized logits, in loss and every parameter's gradient (tied and untied
+    embeddings, sequence parallelism off and on); the output layer never runs; without labels the
+    model returns the unfused model's logits."""
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig
+
+    out = {}
+    tokens, pos, labels = batch(0)
+    labels = labels.clone()
+    labels[0, :3] = -100  # ignored tokens
+    upstream = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3))
+    variants = [  # name, tied, sequence_parallel, loss options
+        ("tied", True, False, {}),
+        ("untied", False, False, dict(label_smoothing=0.1, z_loss=1e-3)),
+        ("tied_sp", True, True, dict(label_smoothing=0.1, z_loss=1e-3)),
+        ("untied_sp", False, True, {}),
+    ]
+    with cpu_sequence_parallel():
+        return _fused_linear_variants(variants, tokens, pos, labels, upstream, out)
+
+
+@contextlib.contextmanager
+def cpu_sequence_parallel():
+    """Test scaffolding, this process only: megatron-core's sequence-parallel code is CUDA-only in
+    two incidental ways. Its embedding forks the CUDA RNG tracker around dropout (0 here): a no-op
+    fork; its linear layers allocate gather / reduce-scatter buffers on
+    ``torch.cuda.current_device()``: the CPU. Both are undone on exit."""
+    from megatron.core import tensor_parallel
+
+    if torch.cuda.is_available():
+        yield
+        return
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current_device = torch.cuda.current_device
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    try:
+        yield
+    finally:
+        del tracker.fork
+        torch.cuda.current_device = current_device
+
+
+def _fused_linear_variants(variants, tokens, pos, labels, upstream, out):
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from vocab_parallel_loss.megatron import attach_vocab_parallel_loss
+
+    for name, tied, sp, opts in variants:
+        cfg = VocabParallelLossConfig(enabled=True, fused_linear=True, **opts)
+        if name == "tied":  # the Megatron-LM route: a plain GPTModel given our loss afterwards
+            fused = attach_vocab_parallel_loss(build(None, cls=GPTModel, tied=tied, sequence_parallel=sp), cfg)
+        else:
+            fused = build(cfg, tied=tied, sequence_parallel=sp)
+        ref = build(VocabParallelLossConfig(enabled=True, **opts), tied=tied, sequence_parallel=sp)
+        for (n1, p1), (n2, p2) in zip(fused.named_parameters(), ref.named_parameters()):
+            assert n1 == n2 and torch.equal(p1, p2), f"{name}: initial weights differ at {n1}"
+        assert fused.output_layer.sequence_parallel == sp and fused.share_embeddings_and_output_weights == tied
+        ran = []
+        fused.output_layer.register_forward_hook(lambda *_: ran.append(1))
+
+        loss = fused(tokens, pos, None, labels=labels)
+        assert not ran, f"{name}: the fused path materialized logits (the output layer ran)"
+        assert loss.shape == (BATCH, SEQ) and loss.dtype == torch.float32, (name, loss.shape, loss.dtype)
+        ref_loss = ref(tokens, pos, None, labels=labels)
+        out[f"{name}_loss_diff"] = close(f"{name}: per-token loss", loss, ref_loss, 1e-5, 1e-6)
+        assert bool((loss[0, :3] == 0).all()), f"{name}: ignored tokens must have loss 0"
+        (loss * upstream).sum().backward()
+        (ref_loss * upstream).sum().backward()
+        g_fused, g_ref = named_grads(fused), named_grads(ref)
+        n_params = len(list(fused.parameters()))
+        assert g_fused.keys() == g_ref.keys() and len(g_fused) == n_params, f"{name}: missing gradients"
+        worst = 0.0
+        for pname in g_ref:
+            scale = g_ref[pname].abs().max().item()
+            worst = max(worst, close(f"{name}: grad of {pname}", g_fused[pname], g_ref[pname], 1e-6 + 1e-4 * scale))
+        out[f"{name}_grad_max_diff"] = worst
+        out[f"{name}_n_params"] = len(g_fused)
+
+        # Evaluation (labels, no grad): still fused. Inference: no labels, the logits as before
+        # (megatron-core's own _postprocess).
+        fused.eval()
+        ref.eval()
+        with torch.no_grad():
+            eval_loss, ref_eval_loss = fused(tokens, pos, None, labels=labels), ref(tokens, pos, None, labels=labels)
+            assert not ran, f"{name}: the fused path materialized logits in evaluation"
+            out[f"{name}_eval_loss_diff"] = close(f"{name}: eval loss", eval_loss, ref_eval_loss, 1e-5, 1e-6)
+            logits, ref_logits = fused(tokens, pos, None), ref(tokens, pos, None)
+        assert ran, f"{name}: without labels the output layer must run"
+        assert logits.shape == (BATCH, SEQ, VOCAB // TP), (name, logits.shape)
+        assert torch.equal(logits, ref_logits), f"{name}: inference logits differ from the unfused model's"
+
+    # Multi-token prediction is refused when the model is built, not at the first step.
+    config = tiny_config()
+    if "mtp_num_layers" in {f.name for f in dataclasses.fields(config)}:
+        config.mtp_num_layers = 1
+        model = build(None, cls=GPTModel)
+        model.config = config
+        try:
+            attach_vocab_parallel_loss(model, VocabParallelLossConfig(enabled=True, fused_linear=True))
+        except NotImplementedError as e:
+            out["mtp_refused"] = str(e)
+        else:
+            raise AssertionError("fused linear with multi-token prediction must raise NotImplementedError")
+    return out
+
+
 CHECKS = {
+    "fused_linear": check_fused_linear,
     "holds_loss": check_holds_loss,
     "loss_matches_native": check_loss_matches_native,
     "model_and_curve": check_model_and_curve,

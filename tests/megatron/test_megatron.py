@@ -119,6 +119,53 @@ def test_ten_training_steps_same_loss_curve(worker_results):
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(360)
+@pytest.mark.parametrize("variant", ["tied", "untied", "tied_sp", "untied_sp"])
+def test_fused_linear_gpt_matches_unfused(worker_results, variant):
+    """--vocab-parallel-loss-fused-linear: TP=2 GPTModel loss and every parameter gradient equal
+    our loss on materialized logits (sequence parallelism in the _sp variants), in training and
+    in evaluation, and the output layer never runs; without labels the logits are the unfused
+    model's (checked in the worker)."""
+    r = _ok(worker_results, "fused_linear")
+    assert r[f"{variant}_loss_diff"] <= 1e-5 and r[f"{variant}_eval_loss_diff"] <= 1e-5
+    assert r[f"{variant}_n_params"] > 10
+    assert f"{variant}_grad_max_diff" in r
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_fused_linear_refuses_multi_token_prediction(worker_results):
+    r = _ok(worker_results, "fused_linear")
+    if "mtp_refused" not in r:
+        pytest.skip("this megatron-core has no multi-token prediction")
+    assert "multi-token prediction" in r["mtp_refused"]
+
+
+def _pretrain(tmp_path, *extra):
+    out = tmp_path / "summary.json"
+    proc = torchrun([
+        REPO / "scripts" / "pretrain_gpt.py", "--config", REPO / "configs" / "tiny_gpt_tp2.yaml",
+        "--train-iters", "3", "--micro-batch-size", "2", "--seq-length", "32",
+        "--vocab-size", "1024", "--data-max-bytes", "200000", "--compare-native",
+        "--no-progress-bar", "--json-output", out, *extra,
+    ], timeout=240)
+    if proc.returncode != 0 or not out.exists():
+        _fail(proc, "scripts/pretrain_gpt.py")
+    return proc, json.loads(out.read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_pretrain_script_fused_linear_three_steps_tp2(tmp_path):
+    proc, s = _pretrain(tmp_path, "--vocab-parallel-loss-fused-linear")
+    assert s["loss_impl"] == "vocab_parallel_loss" and s["fused_linear"] is True and s["tp"] == 2
+    assert len(s["losses"]) == 3 and all(math.isfinite(x) for x in s["losses"])
+    assert s["max_abs_loss_diff_vs_native"] <= 1e-4
+    assert s["grad_diff_of"] == "output layer input" and s["max_abs_grad_diff_vs_native"] <= 1e-6
+    assert "fused with the output layer" in proc.stdout and "step    3/3" in proc.stdout
+
+
+@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_pretrain_script_three_steps_tp2(tmp_path):
     out = tmp_path / "summary.json"

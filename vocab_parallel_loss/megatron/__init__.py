@@ -6,7 +6,9 @@ Megatron-LM's ``pretrain_gpt.py`` takes three lines::
     pretrain(..., wrap_model_provider(model_provider), ...,
              extra_args_provider=add_vocab_parallel_loss_args)
 
-then ``--vocab-parallel-loss`` on the command line. megatron-core itself is not patched.
+then ``--vocab-parallel-loss`` on the command line (``--vocab-parallel-loss-fused-linear`` also fuses
+the output layer with the loss: with labels, the logits are never materialized). megatron-core
+itself is not patched.
 """
 
 from .config import VocabParallelLossConfig, add_vocab_parallel_loss_args

@@ -7,6 +7,11 @@
 * Whether a model routes its loss around ``compute_language_model_loss`` (the fused linear
   cross-entropy output layer of newer releases, ``cross_entropy_fusion_impl == "linear"``).
 * ``TransformerConfig`` keyword arguments that a release does not know are dropped.
+* ``GPTModel._postprocess`` (0.14+) gains keyword arguments from release to release (``padding_mask``,
+  ``output_processor``, ...); :func:`postprocess_arguments` reads its call by name. Whether it is in
+  inference mode: ``inference_context`` given while not training (0.14 - 0.18), megatron-core's
+  ``InferenceMode`` (0.19).
+* MuP's output multiplier on the logits (``config.use_mup``, 0.19+).
 """
 
 from __future__ import annotations
@@ -118,3 +123,50 @@ def model_parallel_seed(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def postprocess_arguments(method: Any, args: tuple, kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """The arguments of a call of a (bound) ``GPTModel._postprocess`` by name, defaults filled in.
+
+    Its parameters differ across releases; ``forward`` passes them by keyword, but a positional
+    call binds the same way.
+    """
+    bound = inspect.signature(method).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _inference_mode_active() -> bool:
+    try:  # 0.19+: a global switch replaces "an inference context while not training"
+        from megatron.core.inference.utils import InferenceMode
+    except ImportError:
+        return False
+    is_active = getattr(InferenceMode, "is_active", None)
+    return bool(is_active()) if callable(is_active) else False
+
+
+def postprocess_needs_logits(model: Any, call: Dict[str, Any]) -> bool:
+    """True when ``GPTModel._postprocess`` must run as megatron-core wrote it (materialized logits).
+
+    That is: no labels (logits are the output), no post-process stage, inference (megatron-core
+    may keep only the last token's logits there), multi-token prediction, or an
+    ``output_processor`` (0.19+) that takes the output layer itself.
+    """
+    if call.get("labels") is None or not getattr(model, "post_process", True):
+        return True
+    if call.get("mtp_in_postprocess") or getattr(model.config, "mtp_num_layers", None):
+        return True
+    if call.get("output_processor") is not None:
+        return True
+    if call.get("inference_context") is not None and not model.training:
+        return True
+    return _inference_mode_active()
+
+
+def output_logit_scale(config: Any) -> float:
+    """The factor megatron-core multiplies the output layer's logits by: MuP's ``mup_output_mult``
+    when ``use_mup`` (0.19+), else 1."""
+    if not getattr(config, "use_mup", False):
+        return 1.0
+    mult = getattr(config, "mup_output_mult", 1.0)
+    return 1.0 if mult is None else float(mult)

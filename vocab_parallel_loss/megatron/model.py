@@ -1,4 +1,5 @@
-"""megatron-core GPTModel whose language-model loss is ``VocabParallelCrossEntropy``."""
+"""megatron-core GPTModel whose language-model loss is ``VocabParallelCrossEntropy``, or with
+``fused_linear`` the fused ``linear_cross_entropy`` of the output layer's input and weight."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def _loss_module(tp_group, loss_config: VocabParallelLossConfig) -> torch.nn.Mod
 
 
 class VocabParallelLossMixin:
-    """Overrides ``compute_language_model_loss`` of a megatron-core ``LanguageModule``.
+    """Overrides ``compute_language_model_loss`` of a megatron-core ``LanguageModule``, and with
+    ``fused_linear`` GPTModel's ``_postprocess`` (the loss from the output layer's input and weight).
 
     Only the last pipeline stage builds the loss module: megatron-core calls
     ``compute_language_model_loss`` there only (``post_process``, or an MTP stage).
@@ -34,21 +36,32 @@ class VocabParallelLossMixin:
             loss_config = VocabParallelLossConfig(enabled=True)
         self.loss_config = loss_config
         self._vpl_gathered_loss = None  # single-shard loss, for logits gathered over TP
+        self._vpl_fused_linear = False
         needs_loss = getattr(self, "post_process", True) or getattr(self, "mtp_process", False)
         if not (loss_config.enabled and needs_loss):
             self.vocab_parallel_loss = None
             return
-        if loss_config.fused_linear:
-            raise NotImplementedError(
-                "vocab_parallel_loss: the fused linear path (--vocab-parallel-loss-fused-linear) "
-                "is not wired into the Megatron model yet"
-            )
         if _compat.uses_fused_linear_output_layer(self.config):
             raise ValueError(
                 "megatron-core's fused linear cross entropy (cross_entropy_fusion_impl='linear') "
                 "computes the loss inside the output layer; disable it to use --vocab-parallel-loss"
             )
+        if loss_config.fused_linear:
+            self._check_fused_linear_supported()
         self.vocab_parallel_loss = _loss_module(_compat.tp_group_of(self), loss_config)
+        self._vpl_fused_linear = bool(loss_config.fused_linear and getattr(self, "post_process", True))
+
+    def _check_fused_linear_supported(self) -> None:
+        """Fail at construction, not at the first step, where the fused linear path cannot run."""
+        what = "vocab_parallel_loss --vocab-parallel-loss-fused-linear"
+        if not hasattr(super(), "_postprocess"):
+            raise TypeError(f"{what}: {type(self).__name__} has no GPTModel._postprocess to take over")
+        if getattr(self.config, "mtp_num_layers", None):
+            raise NotImplementedError(f"{what} does not support multi-token prediction (mtp_num_layers)")
+        if getattr(self.config, "defer_embedding_wgrad_compute", False):
+            raise NotImplementedError(
+                f"{what} computes the output weight's gradient itself: disable defer_embedding_wgrad_compute"
+            )
 
     def _vpl_loss_for(self, logits: torch.Tensor) -> torch.nn.Module:
         """The loss over vocab shards, or a single-shard one for logits gathered over TP."""
@@ -74,6 +87,55 @@ class VocabParallelLossMixin:
         loss = self._vpl_loss_for(logits)(logits, target)  # [s, b], fp32
         return loss.transpose(0, 1).contiguous()
 
+    def _postprocess(self, *args, **kwargs):
+        """``GPTModel._postprocess``; with ``fused_linear`` and labels, the loss straight from the
+        output layer's input and weight (``linear_cross_entropy``): the logits never exist.
+
+        Everything else (no labels, inference, multi-token prediction) is megatron-core's own
+        ``_postprocess``, so inference returns the same logits as without the fused path.
+        """
+        parent = super()._postprocess
+        if not getattr(self, "_vpl_fused_linear", False):
+            return parent(*args, **kwargs)
+        call = _compat.postprocess_arguments(parent, args, kwargs)
+        if _compat.postprocess_needs_logits(self, call):
+            return parent(*args, **kwargs)
+        return self._vpl_fused_linear_loss(call["hidden_states"], call["labels"])
+
+    def _vpl_fused_linear_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` (fp32) of ``output_layer(hidden_states)`` against ``labels [b, s]``.
+
+        ``hidden_states`` is ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` under sequence
+        parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
+        does). The weight is the output layer's, or the embedding's when they are tied.
+        """
+        from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
+
+        out = self.output_layer
+        if self.share_embeddings_and_output_weights:
+            weight = self.shared_embedding_or_output_weight()
+        else:
+            weight = out.weight
+        bias = getattr(out, "bias", None)  # GPTModel's output layer has none
+        if bias is not None and getattr(out, "skip_bias_add", False):
+            bias = None  # megatron-core returns it apart and leaves it out of the logits
+        if hidden_states.dtype != weight.dtype:
+            hidden_states = hidden_states.to(weight.dtype)
+        scale = _compat.output_logit_scale(self.config)
+        if scale != 1.0:  # s * (e @ c.T + b) == (s * e) @ c.T + s * b
+            hidden_states = hidden_states * scale
+            bias = None if bias is None else bias * scale
+        cfg = self.loss_config
+        target = labels.transpose(0, 1).contiguous()  # [s, b], like the hidden states
+        loss = linear_cross_entropy(
+            hidden_states, weight, target, bias,
+            ignore_index=cfg.ignore_index, reduction="none",
+            tp_group=self.vocab_parallel_loss.tp_group,
+            sequence_parallel=bool(getattr(out, "sequence_parallel", False)),
+            label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, impl="auto",
+        )  # [s, b], fp32
+        return loss.transpose(0, 1).contiguous()
+
 
 class VocabParallelLossGPTModel(VocabParallelLossMixin, GPTModel):
     """megatron-core ``GPTModel`` with the exact vocab-parallel loss.
@@ -96,7 +158,8 @@ def attach_vocab_parallel_loss(model: torch.nn.Module, loss_config: Optional[Voc
     """Give an already built megatron-core language model (``GPTModel`` or a subclass) our loss.
 
     The instance's class becomes a subclass of its class that only overrides
-    ``compute_language_model_loss``; nothing in megatron-core is patched.
+    ``compute_language_model_loss`` (and ``_postprocess``, which defers to megatron-core's unless
+    ``fused_linear``); nothing in megatron-core is patched.
     """
     if isinstance(model, VocabParallelLossMixin):
         model._setup_vocab_parallel_loss(loss_config)
