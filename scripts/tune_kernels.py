@@ -34,11 +34,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--shapes", default=None, help="e.g. 16384x16032,65536x16032")
+    ap.add_argument("--stages", default=None, help="also sweep num_stages, e.g. 1,2,3,4")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
     results = []
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(d) for d in s.split("x")) for s in args.shapes.split(",")]
+    stages = [int(x) for x in args.stages.split(",")] if args.stages else [None]
     for n, v in shapes:
         x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16) * 3
         t = torch.randint(0, v, (n,), device="cuda")
@@ -49,10 +54,13 @@ def main() -> None:
         dview = like_rows(view)
         opts = dict(vocab_start=0, vocab_size=v, ignore_index=-100, smoothing=0.0, z_loss=0.0)
         elems = n * v
-        fwd_cfgs = [dict(BLOCK=b, VEC=vec, num_warps=w) for b, vec, w in
-                    itertools.product([2048, 4096, 8192, 16384], [8, 16], [2, 4, 8, 16])]
-        bwd_cfgs = [dict(BLOCK=b, num_warps=w) for b, w in
-                    itertools.product([4096, 8192, 16384], [4, 8, 16, 32])]
+        def with_stages(cfgs):
+            return [dict(c, num_stages=st) if st else c for c in cfgs for st in stages]
+
+        fwd_cfgs = with_stages([dict(BLOCK=b, VEC=vec, num_warps=w) for b, vec, w in
+                                itertools.product([1024, 2048, 4096], [8], [2, 4, 8])])
+        bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w) for b, w in
+                                itertools.product([8192, 16384], [4, 8, 16, 32])])
         for phase, cfgs, bytes_per in [("fwd", fwd_cfgs, 2), ("bwd", bwd_cfgs, 4)]:
             best = None
             for cfg in cfgs:
