@@ -3,11 +3,16 @@
 Each rank builds the same full logits (fixed seed), keeps its shard of columns and checks that
 its loss equals the full-vocabulary loss, is bitwise the same on every rank, and that its
 gradient equals its slice of the full gradient. Exits non-zero on the first mismatch.
+
+gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
+``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
+and the fp64 reference is computed on the CPU (``scripts/run_multigpu.sh`` does this).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import torch
@@ -18,6 +23,19 @@ from vocab_parallel_loss import (VocabParallelCrossEntropy, parallel_cross_entro
                                  vocab_parallel_cross_entropy)
 
 ce_mod = importlib.import_module("vocab_parallel_loss.cross_entropy")
+
+DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
+
+
+def init_process_group() -> None:
+    """gloo on CPU (default), or nccl with this rank's GPU when VPL_TEST_DEVICE=cuda."""
+    global DEVICE
+    if os.environ.get("VPL_TEST_DEVICE", "cpu") == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo")
 
 
 def same_on_every_rank(t: torch.Tensor, group) -> None:
@@ -42,21 +60,24 @@ def check_case(group, *, api, layout, dtype, reduction, smoothing, z_loss, v_loc
     upstream = torch.randn(b, s, generator=gen)
     if layout == "sbv":  # Megatron's [s, b, v]: a transposed view, sharded along v
         full, target, upstream = full.transpose(0, 1), target.t(), upstream.t()
-    x = shard(full, rank, world).detach().requires_grad_()
+    # moved before sharding: the shard is the same strided view on either device
+    x = shard(full.to(DEVICE), rank, world).detach().requires_grad_()
+    target_d, upstream_d = target.to(DEVICE), upstream.to(DEVICE)
     kw = dict(label_smoothing=smoothing)
     if api == "module":
-        loss = VocabParallelCrossEntropy(group, reduction=reduction, z_loss=z_loss, **kw)(x, target)
+        loss = VocabParallelCrossEntropy(group, reduction=reduction, z_loss=z_loss, **kw)(x, target_d)
     elif api == "transformer_engine":
-        loss = parallel_cross_entropy(x, target, smoothing, reduction == "mean", group)
+        loss = parallel_cross_entropy(x, target_d, smoothing, reduction == "mean", group)
     else:
-        loss = vocab_parallel_cross_entropy(x, target, smoothing, tp_group=group)
+        loss = vocab_parallel_cross_entropy(x, target_d, smoothing, tp_group=group)
     ref_kw = dict(label_smoothing=smoothing, z_loss=z_loss, reduction=reduction)
     ref_loss, ref_grad = full_vocab_loss_and_grad(full, target, upstream if reduction == "none" else None, **ref_kw)
-    (grad,) = torch.autograd.grad(loss, x, upstream if reduction == "none" else None)
+    (grad,) = torch.autograd.grad(loss, x, upstream_d if reduction == "none" else None)
     tol = 1e-5 if dtype == torch.float32 else 1e-4
-    torch.testing.assert_close(loss.double(), ref_loss, atol=tol, rtol=tol)
+    torch.testing.assert_close(loss.double().cpu(), ref_loss, atol=tol, rtol=tol)
     gtol = 2e-6 if dtype == torch.float32 else 8e-3
-    torch.testing.assert_close(grad.double(), shard(ref_grad, rank, world), atol=gtol, rtol=2 * gtol)
+    torch.testing.assert_close(grad.double().cpu(), shard(ref_grad, rank, world), atol=gtol,
+                               rtol=2 * gtol)
     same_on_every_rank(loss.detach(), group)
 
 
@@ -71,6 +92,7 @@ def check_against_megatron(group, world):
         full = torch.randn(7, 2, 19 * world, generator=gen) * 2
         target = torch.randint(0, 19 * world, (7, 2), generator=gen)
         upstream = torch.randn(7, 2, generator=gen)
+        full, target, upstream = full.to(DEVICE), target.to(DEVICE), upstream.to(DEVICE)
         mine = shard(full, rank, world).clone().requires_grad_()
         theirs = shard(full, rank, world).clone().requires_grad_()
         loss = vocab_parallel_cross_entropy(mine, target)  # tp_group from parallel_state
@@ -85,9 +107,10 @@ def check_against_megatron(group, world):
 
 def check_unequal_shards(group):
     rank = dist.get_rank(group)
-    x = torch.randn(2, 3, 10 + rank)
+    x = torch.randn(2, 3, 10 + rank).to(DEVICE)
     try:
-        parallel_cross_entropy(x, torch.zeros(2, 3, dtype=torch.long), dist_process_group=group)
+        parallel_cross_entropy(x, torch.zeros(2, 3, dtype=torch.long, device=DEVICE),
+                               dist_process_group=group)
     except ValueError as e:
         assert "vocab shards differ" in str(e), e
     else:
@@ -95,7 +118,7 @@ def check_unequal_shards(group):
 
 
 def main() -> None:
-    dist.init_process_group("gloo")
+    init_process_group()
     world = dist.get_world_size()
     group = dist.new_group(list(range(world)))
     impls = sys.argv[1].split(",") if len(sys.argv) > 1 else ["triton", "torch"]
@@ -115,9 +138,11 @@ def main() -> None:
                    smoothing=0.1, z_loss=0.0)
         check_against_megatron(group, world)
         n += 2
-    check_unequal_shards(group)
+    if world > 1:  # one rank has nothing to compare its shard with
+        check_unequal_shards(group)
+        n += 1
     if dist.get_rank() == 0:
-        print(f"tp_worker: {n + 1} cases passed on {world} ranks")
+        print(f"tp_worker: {n} cases passed on {world} ranks ({DEVICE.type}, {dist.get_backend()})")
     dist.destroy_process_group()
 
 

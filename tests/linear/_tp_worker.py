@@ -7,10 +7,15 @@ Every rank builds the same full ``e``, ``c``, bias and targets (fixed seed), kee
 the full-vocabulary loss and bitwise the same on every rank; ``dC`` (and dbias) is its slice of
 the full gradient; ``dE`` is the full gradient (or its sequence slice). Exits non-zero on the
 first mismatch; prints ``N linear cases passed on W ranks``.
+
+gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
+``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
+and the fp64 reference is computed on the CPU (``scripts/run_multigpu.sh`` does this).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -19,6 +24,26 @@ import torch.distributed as dist
 from tests.linear._lce_oracle import reference_grads
 from vocab_parallel_loss.kernels import linear_cross_entropy as K
 from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
+
+DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
+
+
+def init_process_group() -> None:
+    """gloo on CPU (default), or nccl with this rank's GPU when VPL_TEST_DEVICE=cuda."""
+    global DEVICE
+    if os.environ.get("VPL_TEST_DEVICE", "cpu") == "cuda":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo")
+
+
+def gif_config() -> "K.LCEConfig":
+    """Gradients formed in forward, in several row chunks even on the tiny shapes."""
+    if DEVICE.type == "cuda" and not K.interpreting():
+        return K.default_config(DEVICE).replace(grad_in_forward="always", gif_rows=16)
+    return K.INTERPRET_CONFIG.replace(grad_in_forward="always")
 
 
 def same_on_every_rank(t: torch.Tensor) -> None:
@@ -30,7 +55,7 @@ def same_on_every_rank(t: torch.Tensor) -> None:
 
 def close(name, got, want, rtol):
     scale = want.abs().max().item() or 1.0
-    err = (got.double() - want).abs().max().item()
+    err = (got.double().cpu() - want).abs().max().item()
     assert err <= rtol * scale + 1e-9, f"{name}: max err {err:.3g}, scale {scale:.3g}"
 
 
@@ -38,7 +63,7 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
                softcap=None, bias=False, shift=0, sp=False, gif=False, v_local=23, h=24, s=8,
                b=4):
     rank, world = dist.get_rank(), dist.get_world_size()
-    K.OVERRIDE_CONFIG = K.INTERPRET_CONFIG.replace(grad_in_forward="always") if gif else None
+    K.OVERRIDE_CONFIG = gif_config() if gif else None
     v = v_local * world
     gen = torch.Generator().manual_seed(1234)
     # Megatron's output layer input: [s, b, h]; with shift the sequence must be dim -2
@@ -52,21 +77,21 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
 
     rows = slice(rank * v_local, (rank + 1) * v_local)
     seq = slice(rank * lead[0] // world, (rank + 1) * lead[0] // world)
-    e = (e_full[seq] if sp else e_full).clone().requires_grad_()
-    c = c_full[rows].clone().requires_grad_()
-    bb = bias_full[rows].clone().requires_grad_() if bias else None
+    e = (e_full[seq] if sp else e_full).to(DEVICE, copy=True).requires_grad_()
+    c = c_full[rows].to(DEVICE, copy=True).requires_grad_()
+    bb = bias_full[rows].to(DEVICE, copy=True).requires_grad_() if bias else None
     kw = dict(reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap,
               shift=shift)
-    loss = linear_cross_entropy(e, c, t, bb, tp_group=dist.group.WORLD, sequence_parallel=sp,
-                                impl=impl, **kw)
+    loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,
+                                sequence_parallel=sp, impl=impl, **kw)
     g = up if reduction == "none" else torch.ones(())
     leaves = [e, c] + ([bb] if bias else [])
-    grads = torch.autograd.grad(loss, leaves, g.to(loss.dtype))
+    grads = torch.autograd.grad(loss, leaves, g.to(DEVICE, loss.dtype))
 
     want, wgrads = reference_grads(e_full, c_full, t, bias_full, g, **kw)
     same_on_every_rank(loss.detach())
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(loss.detach().double(), want, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(loss.detach().double().cpu(), want, atol=tol * 10, rtol=tol)
     wde = wgrads[0][seq] if sp else wgrads[0]
     close("dE", grads[0], wde, tol)
     close("dC", grads[1], wgrads[1][rows], tol)
@@ -90,7 +115,7 @@ CASES = [
 
 
 def main() -> int:
-    dist.init_process_group("gloo")
+    init_process_group()
     torch.manual_seed(0)
     n = 0
     impls = sys.argv[1:] or ["triton", "torch"]
@@ -106,7 +131,8 @@ def main() -> int:
             n += 1
     dist.barrier()
     if dist.get_rank() == 0:
-        print(f"{n} linear cases passed on {dist.get_world_size()} ranks", flush=True)
+        print(f"{n} linear cases passed on {dist.get_world_size()} ranks "
+              f"({DEVICE.type}, {dist.get_backend()})", flush=True)
     dist.destroy_process_group()
     return 0
 
