@@ -23,3 +23,18 @@ def run_torchrun(script, nproc: int, *args: str, timeout: float = 900) -> str:
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} x{nproc} failed ({proc.returncode}):\n{out[-8000:]}")
     return out
+
+
+def init_worker_process_group():
+    """In a torchrun worker: gloo on CPU (default), or nccl on this rank's GPU when
+    ``VPL_TEST_DEVICE=cuda`` (how scripts/run_multigpu.sh runs the workers). Returns the device."""
+    import torch
+    import torch.distributed as dist
+
+    if os.environ.get("VPL_TEST_DEVICE", "cpu") == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+        return device
+    dist.init_process_group("gloo")
+    return torch.device("cpu")

@@ -9,7 +9,6 @@ expanded scalar for ``"mean"``/``"sum"``).
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 

@@ -12,13 +12,14 @@ and the fp64 reference is computed on the CPU (``scripts/run_multigpu.sh`` does 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
-from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
+from tests._torchrun import init_worker_process_group
+
+from tests._oracle import full_vocab_loss_and_grad
 from vocab_parallel_loss import (VocabParallelCrossEntropy, parallel_cross_entropy, reference,
                                  vocab_parallel_cross_entropy)
 
@@ -28,14 +29,8 @@ DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE
 
 
 def init_process_group() -> None:
-    """gloo on CPU (default), or nccl with this rank's GPU when VPL_TEST_DEVICE=cuda."""
     global DEVICE
-    if os.environ.get("VPL_TEST_DEVICE", "cpu") == "cuda":
-        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(DEVICE)
-        dist.init_process_group("nccl", device_id=DEVICE)
-    else:
-        dist.init_process_group("gloo")
+    DEVICE = init_worker_process_group()
 
 
 def same_on_every_rank(t: torch.Tensor, group) -> None:

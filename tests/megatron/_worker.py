@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import datetime
 import json
-import os
 import sys
 import traceback
 import warnings
@@ -301,7 +300,6 @@ def check_fused_linear(ps):
     our loss on materialized logits, in loss and every parameter's gradient (tied and untied
     embeddings, sequence parallelism off and on); the output layer never runs; without labels the
     model returns the unfused model's logits."""
-    from vocab_parallel_loss.megatron import VocabParallelLossConfig
 
     out = {}
     tokens, pos, labels = batch(0)

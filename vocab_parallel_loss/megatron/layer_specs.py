@@ -12,7 +12,6 @@ import copy
 import dataclasses
 from typing import Any, Optional
 
-import torch
 import torch.nn.functional as F
 
 from . import _compat

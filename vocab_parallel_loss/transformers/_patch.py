@@ -22,7 +22,6 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from torch import nn
 
 from ._loss import REDUCTIONS, causal_lm_loss
