@@ -38,3 +38,10 @@ def init_worker_process_group():
         return device
     dist.init_process_group("gloo")
     return torch.device("cpu")
+
+
+def triton_runs_here() -> bool:
+    """Whether the Triton kernels can run in this environment (a GPU, or the CPU interpreter)."""
+    import torch
+
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "1") == "1"
