@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+# In the kernels, 1.4426950408889634 is log2(e) and 0.6931471805599453 is ln(2): written as
+# literals because plain module-level floats are not visible inside @triton.jit on every version.
 
 
 @triton.jit
