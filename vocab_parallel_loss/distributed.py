@@ -52,7 +52,17 @@ def group_key(group: ProcessGroup) -> str:
 
 
 def group_from_key(key: str) -> ProcessGroup:
-    return _groups_by_key[key] if key else None
+    if not key:
+        return None
+    group = _groups_by_key.get(key)
+    if group is None:
+        # a key first seen inside a torch.compile trace was not registered at run time:
+        # c10d keeps its own registry of group names
+        from torch.distributed import distributed_c10d
+
+        group = distributed_c10d._resolve_process_group(key)
+        _groups_by_key[key] = group
+    return group
 
 
 def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.device) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _checks
+from . import _checks, distributed
 from .cross_entropy import cross_entropy
 
 
@@ -25,6 +25,7 @@ class VocabParallelCrossEntropy(nn.Module):
         if float(z_loss) < 0:
             raise ValueError(f"z_loss must be >= 0, got {z_loss}")
         self.tp_group = tp_group
+        distributed.group_key(tp_group)  # register the group by name before any compiled call
         self.label_smoothing = float(label_smoothing)
         self.ignore_index = int(ignore_index)
         self.reduction = reduction

@@ -112,6 +112,31 @@ def check_unequal_shards(group):
         raise AssertionError("unequal shards were not rejected")
 
 
+def check_compiled(group):
+    """torch.compile over the TP loss: no graph break (fullgraph) and the eager result."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(7)
+    full = torch.randn(3, 4, 17 * world, generator=gen)
+    target = torch.randint(0, 17 * world, (3, 4), generator=gen)
+    loss_fn = VocabParallelCrossEntropy(group, label_smoothing=0.1, reduction="mean")
+    x = shard(full, rank, world).to(DEVICE).requires_grad_()
+    target = target.to(DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, t: loss_fn(x, t), fullgraph=True, backend="aot_eager")
+    loss = compiled(x, target)
+    (grad,) = torch.autograd.grad(loss, x)
+    ref_loss, ref_grad = full_vocab_loss_and_grad(full, target.cpu(), label_smoothing=0.1,
+                                                  reduction="mean")
+    torch.testing.assert_close(loss.double().cpu(), ref_loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double().cpu(), shard(ref_grad, rank, world), atol=2e-6,
+                               rtol=1e-5)
+    # the functional API with a group the package has not seen before tracing
+    sub = dist.new_group(list(range(world)))
+    fn = torch.compile(lambda x, t: parallel_cross_entropy(x, t, 0.1, True, sub), fullgraph=True,
+                       backend="aot_eager")
+    torch.testing.assert_close(fn(x, target).double().cpu(), ref_loss, atol=1e-5, rtol=1e-5)
+
+
 def main() -> None:
     init_process_group()
     world = dist.get_world_size()
@@ -133,6 +158,8 @@ def main() -> None:
                    smoothing=0.1, z_loss=0.0)
         check_against_megatron(group, world)
         n += 2
+    check_compiled(group)
+    n += 1
     if world > 1:  # one rank has nothing to compare its shard with
         check_unequal_shards(group)
         n += 1
