@@ -61,6 +61,10 @@ def check_case(group, *, api, layout, dtype, reduction, smoothing, z_loss, v_loc
     kw = dict(label_smoothing=smoothing)
     if api == "module":
         loss = VocabParallelCrossEntropy(group, reduction=reduction, z_loss=z_loss, **kw)(x, target_d)
+    elif api == "module_inplace":  # the gradient overwrites the (non-leaf) logits buffer
+        y = x * 1
+        loss = VocabParallelCrossEntropy(group, reduction=reduction, z_loss=z_loss,
+                                         inplace_backward=True, **kw)(y, target_d)
     elif api == "transformer_engine":
         loss = parallel_cross_entropy(x, target_d, smoothing, reduction == "mean", group)
     else:
@@ -146,6 +150,7 @@ def main() -> None:
     for impl in impls:
         ce_mod._backend = (lambda t: ce_mod._triton_kernels) if impl == "triton" else (lambda t: reference)
         for api, reductions in [("module", ["none", "mean", "sum"]),
+                                ("module_inplace", ["none", "mean"]),
                                 ("transformer_engine", ["none", "mean"]),
                                 ("megatron", ["none"])]:
             for reduction in reductions:
