@@ -166,6 +166,17 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @triton.jit
+def _grouped_tile(pid, num_rb, n_inner, GROUP_N: tl.constexpr):
+    """(row block, inner index) of program ``pid`` in grouped order: consecutive programs cover
+    GROUP_N row blocks x the ``n_inner`` vocabulary tiles or splits, so the programs in flight
+    share E row blocks and C tiles through L2."""
+    width = GROUP_N * n_inner
+    first_rb = (pid // width) * GROUP_N
+    gsize = tl.minimum(num_rb - first_rb, GROUP_N)
+    return first_rb + (pid % width) % gsize, (pid % width) // gsize
+
+
+@triton.jit
 def _tanh(x):
     # exp-based tanh: saturates to +-1 (exp overflow -> inf -> 2/inf = 0), portable across
     # backends and the interpreter.
@@ -208,16 +219,7 @@ def _lce_fwd_kernel(
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_rb = tl.cdiv(N, BLOCK_N)
-    # Grouped order: consecutive programs cover GROUP_N row blocks x the splits, so the programs
-    # in flight share E row blocks and C tiles through L2.
-    width = GROUP_N * n_splits
-    group = pid // width
-    first_rb = group * GROUP_N
-    gsize = tl.minimum(num_rb - first_rb, GROUP_N)
-    rb = first_rb + (pid % width) % gsize
-    split = (pid % width) // gsize
+    rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -274,15 +276,8 @@ def _lce_dlogits_kernel(
 
     COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
     """
-    pid = tl.program_id(0)
-    num_rb = tl.cdiv(N, BLOCK_N)
-    num_cb = tl.cdiv(n_cols, BLOCK_V)
-    width = GROUP_N * num_cb
-    group = pid // width
-    first_rb = group * GROUP_N
-    gsize = tl.minimum(num_rb - first_rb, GROUP_N)
-    rb = first_rb + (pid % width) % gsize
-    cb = (pid % width) // gsize
+    rb, cb = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(n_cols, BLOCK_V),
+                           GROUP_N)
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
