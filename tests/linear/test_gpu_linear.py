@@ -83,9 +83,11 @@ def test_bf16_real_shapes(impl, reduction, n, h, v):
     _close_grads(grads, wgrads, 1e-2)
 
 
-@pytest.mark.parametrize("matmul", ["triton", "torch"])
-def test_all_options_and_matmul_backends(matmul, monkeypatch):
-    cfg = K.default_config(torch.device("cuda")).replace(matmul=matmul)
+@pytest.mark.parametrize("matmul,mode", [("triton", "fused"), ("torch", "fused"),
+                                          ("torch", "chunked"), ("triton", "chunked")])
+def test_all_options_and_matmul_backends(matmul, mode, monkeypatch):
+    cfg = K.default_config(torch.device("cuda")).replace(matmul=matmul, fwd_mode=mode,
+                                                         bwd_mode=mode)
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
     e, c, b, t, up = _case(2048, 2048, 32003, bias=True)  # odd V: masked last tile
     kw = dict(reduction="none", softcap=30.0, label_smoothing=0.1, z_loss=1e-4)

@@ -70,6 +70,12 @@ class LCEConfig:
     Gradients stay fp32 until backward scales them by the upstream gradient and rounds once.
     ``"auto"`` takes it when ``gif_extra_bytes`` stays under ``gif_max_bytes``.
     ``row_block`` / ``row_warps``: the memory-bound row kernels of that path.
+
+    ``fwd_mode`` / ``bwd_mode``: ``"fused"`` computes logits tiles with ``tl.dot`` inside the
+    statistics / dlogits kernels (no logits in memory at all); ``"chunked"`` lets cuBLAS write an
+    fp32 chunk of logits (``fwd_chunk_bytes`` of rows in forward, ``chunk_bytes`` of columns in
+    backward) and a memory-bound row kernel turns it into statistics / dlogits. Chunked spends
+    ~12 extra bytes of memory traffic per logit but runs the GEMMs at cuBLAS speed.
     """
 
     fwd_block_n: int = 128
@@ -98,6 +104,10 @@ class LCEConfig:
     row_block: int = 2048
     row_warps: int = 8
     gif_max_bytes: int = 1 << 30
+    fwd_mode: str = "fused"
+    bwd_mode: str = "fused"
+    fwd_chunk_bytes: int = 128 * 1024 * 1024
+    chunk_align: int = 64  # rows / columns per chunk are a multiple (16-byte cuBLAS strides)
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -117,7 +127,7 @@ INTERPRET_CONFIG = LCEConfig(
     mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
-    gif_rows=16, row_block=16, row_warps=4,
+    gif_rows=16, row_block=16, row_warps=4, chunk_align=8,
 )
 
 #: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and sweeps do this).
@@ -370,7 +380,7 @@ def _mm_kernel(
 
 @triton.jit
 def _rows_stats_kernel(
-    X, BIAS, TGT, STATS, N, V, stride_xn, stride_t, v_offset, softcap,
+    X, BIAS, TGT, STATS, N, V, stride_xn, stride_t, stride_s, v_offset, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -402,9 +412,9 @@ def _rows_stats_kernel(
     m = tl.max(m_vec, axis=0)
     s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
     tl.store(STATS + row, m)
-    tl.store(STATS + N + row, s)
-    tl.store(STATS + 2 * N + row, tl.sum(tg_vec, axis=0))
-    tl.store(STATS + 3 * N + row, tl.sum(sx_vec, axis=0))
+    tl.store(STATS + stride_s + row, s)
+    tl.store(STATS + 2 * stride_s + row, tl.sum(tg_vec, axis=0))
+    tl.store(STATS + 3 * stride_s + row, tl.sum(sx_vec, axis=0))
 
 
 @triton.jit
@@ -470,6 +480,11 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     stats = torch.empty((4, N), dtype=torch.float32, device=e.device)
     if N == 0:
         return stats
+    if cfg.fwd_mode == "chunked":
+        return _forward_stats_chunked(e, c, bias, targets, v_offset, softcap, need_sumx, cfg,
+                                      stats)
+    if cfg.fwd_mode != "fused":
+        raise ValueError(f"fwd_mode must be 'fused' or 'chunked', got {cfg.fwd_mode!r}")
     BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
     _check_tiles(BN, BV, BH)
     num_rb = triton.cdiv(N, BN)
@@ -494,6 +509,28 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if split == 1:
         return stats
     return merge_split_stats(part)
+
+
+def _chunk_len(total: int, budget_bytes: int, per_unit_bytes: int, align: int) -> int:
+    """Rows (or columns) per chunk: as many as fit ``budget_bytes``, a multiple of ``align``
+    (keeps cuBLAS leading dimensions 16-byte aligned), at least ``align``, at most ``total``."""
+    k = budget_bytes // max(per_unit_bytes, 1) // align * align
+    return max(1, min(total, max(align, k)))
+
+
+def _forward_stats_chunked(e, c, bias, targets, v_offset, softcap, need_sumx, cfg, stats):
+    """``fwd_mode="chunked"``: cuBLAS writes fp32 logits for a block of rows, a row kernel
+    reduces them to statistics. Extra memory: one ``(rows, V)`` fp32 chunk."""
+    N, V = e.shape[0], c.shape[0]
+    rows = _chunk_len(N, cfg.fwd_chunk_bytes, 4 * V, cfg.chunk_align)
+    buf = torch.empty((rows, V), dtype=torch.float32, device=e.device)
+    for r0 in range(0, N, rows):
+        r1 = min(N, r0 + rows)
+        x = buf[:r1 - r0]
+        chunk_logits(e[r0:r1], c, x, cfg)
+        rows_stats(x, bias, targets[r0:r1], v_offset, softcap, need_sumx, cfg,
+                   out=stats[:, r0:r1])
+    return stats
 
 
 def merge_split_stats(part: torch.Tensor) -> torch.Tensor:
@@ -599,6 +636,10 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         return de, dc, db
     if not (need_de or need_dc or need_dbias):
         return de, dc, db
+    if cfg.bwd_mode == "chunked":
+        return _backward_chunked(e, c, bias, targets, v_offset, coef, softcap, de, dc, db, cfg)
+    if cfg.bwd_mode != "fused":
+        raise ValueError(f"bwd_mode must be 'fused' or 'chunked', got {cfg.bwd_mode!r}")
     BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h
     _check_tiles(BN, BV, BH)
     # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes.
@@ -606,12 +647,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     vc = max(BV, (cfg.chunk_bytes // max(per_col, 1)) // BV * BV)
     vc = min(vc, triton.cdiv(V, BV) * BV)
     d = torch.empty((N, vc), dtype=e.dtype, device=dev)
-    tmp = None
-    tmp_rows = vc
-    if need_dc and _use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32:
-        # fp32 staging of dC rows for cuBLAS (rounded once into dc): at most ~64 MiB
-        tmp_rows = max(1, min(vc, (64 << 20) // (4 * max(H, 1))))
-        tmp = torch.empty((tmp_rows, H), dtype=torch.float32, device=dev)
+    tmp, tmp_rows = _dc_staging(e, vc, cfg) if need_dc else (None, vc)
     num_rb = triton.cdiv(N, BN)
     db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
     dot_prec = _dot_precision(e.dtype)
@@ -640,6 +676,42 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     return de, dc, db
 
 
+def _dc_staging(e: torch.Tensor, cols: int, cfg: LCEConfig):
+    """fp32 staging rows for ``dC`` when cuBLAS computes it (rounded once into ``dc``)."""
+    if not (_use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32):
+        return None, cols
+    H = e.shape[1]
+    rows = max(1, min(cols, (64 << 20) // (4 * max(H, 1))))
+    return torch.empty((rows, H), dtype=torch.float32, device=e.device), rows
+
+
+def _backward_chunked(e, c, bias, targets, v_offset, coef, softcap, de, dc, db, cfg):
+    """``bwd_mode="chunked"``: per block of vocabulary columns, cuBLAS recomputes the fp32
+    logits ``(N, Vc)``, a row kernel overwrites them with dlogits in the input dtype, and the
+    two gradient GEMMs read that. Extra memory: one ``(N, Vc)`` fp32 chunk (+ fp32 staging)."""
+    N = e.shape[0]
+    V = c.shape[0]
+    vc = _chunk_len(V, cfg.chunk_bytes, 4 * N, cfg.chunk_align)
+    buf = torch.empty((N, vc), dtype=torch.float32, device=e.device)
+    tmp, tmp_rows = _dc_staging(e, vc, cfg)
+    for v0 in range(0, V, vc):
+        nc = min(vc, V - v0)
+        x = buf[:, :nc]
+        c_chunk = c[v0:v0 + nc]
+        gemm_store(x, e, c_chunk.t(), cfg, None)
+        dz = rows_dz_inplace(x, bias[v0:v0 + nc] if bias is not None else None, targets,
+                             v_offset + v0, coef, softcap, e.dtype, cfg)
+        if de is not None:
+            gemm_acc(de, dz, c_chunk, cfg)  # dE += dz @ c_chunk (fp32)
+        if dc is not None:  # dC_chunk = dz.T @ e, rounded once
+            for s0 in range(0, nc, tmp_rows):
+                s1 = min(nc, s0 + tmp_rows)
+                gemm_store(dc[v0 + s0:v0 + s1], dz[:, s0:s1].t(), e, cfg, tmp)
+        if db is not None:  # from the rounded dz, like the grad-in-forward path
+            db[v0:v0 + nc] = dz.sum(dim=0, dtype=torch.float32)
+    return de, dc, db
+
+
 # ----------------------------------------------------------------------------------------------
 # Grad-in-forward path (scalar losses): materialized fp32 row chunks, 6NHV flops
 # ----------------------------------------------------------------------------------------------
@@ -662,15 +734,17 @@ def chunk_logits(e_rows: torch.Tensor, c: torch.Tensor, out: torch.Tensor,
 
 def rows_stats(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                v_offset: int, softcap: Optional[float], need_sumx: bool,
-               cfg: LCEConfig) -> torch.Tensor:
-    """``(4, rows)`` statistics of materialized fp32 logits ``x (rows, V)`` (+ bias, softcap)."""
+               cfg: LCEConfig, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``(4, rows)`` statistics of materialized fp32 logits ``x (rows, V)`` (+ bias, softcap),
+    written into ``out`` (a ``(4, rows)`` view with unit row stride) when given."""
     n, v = x.shape
-    stats = torch.empty((4, n), dtype=torch.float32, device=x.device)
+    stats = torch.empty((4, n), dtype=torch.float32, device=x.device) if out is None else out
+    assert stats.shape == (4, n) and stats.stride(1) == 1 and x.stride(1) == 1
     if n == 0:
         return stats
     _rows_stats_kernel[(n,)](
         x, bias if bias is not None else x, targets, stats, n, v, x.stride(0),
-        targets.stride(0), v_offset, float(softcap) if softcap else 1.0,
+        targets.stride(0), stats.stride(0), v_offset, float(softcap) if softcap else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
         BLOCK=cfg.row_block, num_warps=cfg.row_warps)
     return stats
