@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class RowView:
+class RowView(NamedTuple):  # a NamedTuple: built on every call, cheaper than a dataclass
     """``tensor`` read as rows ``n = i0 * D1 + i1`` starting at ``i0 * s0 + i1 * s1``.
 
     Rows are numbered in the row-major order of the leading dims, the order of
@@ -53,6 +52,10 @@ def _two_levels(shape, strides):
 
 def row_view(t: torch.Tensor) -> RowView:
     """A RowView of ``t``; copies only for layouts no two-level view can describe."""
+    shape = t.shape
+    if len(shape) == 2 and (shape[1] == 1 or t.stride(1) == 1):
+        # the common (N, V) case, short-cut: what _two_levels gives for one level
+        return RowView(t, 1, 0, 0) if shape[0] == 1 else RowView(t, shape[0], 0, t.stride(0))
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         t = t.contiguous()
     levels = _two_levels(t.shape[:-1], t.stride()[:-1])

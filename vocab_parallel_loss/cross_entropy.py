@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -36,22 +36,28 @@ def _backend(t: torch.Tensor):
 def forward_impl(logits, t, group, ignore_index, smoothing, z_loss):
     """Per-token fp32 loss and lse of flat targets ``t``; returns (view, loss, lse, opts)."""
     view = row_view(logits)
-    n, v_local = t.numel(), view.vocab
-    world, rank = distributed.world_size(group), distributed.rank(group)
-    opts = dict(vocab_size=v_local * world, ignore_index=ignore_index, smoothing=smoothing,
-                z_loss=z_loss)
-    backend = _backend(logits)
-    loss = torch.empty(n, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n, dtype=torch.float32, device=logits.device)
+    n, v_local, device = t.numel(), logits.shape[-1], logits.device
+    world = distributed.world_size(group)
+    rank = distributed.rank(group) if world > 1 else 0
+    # the options as both backends take them (keyword arguments), also those of the backward
+    opts = dict(vocab_start=rank * v_local, vocab_size=v_local * world,
+                ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
+    loss = torch.empty(n, dtype=torch.float32, device=device)
+    if world == 1:
+        lse = torch.empty(n, dtype=torch.float32, device=device)
+        if n > 0:
+            _backend(logits).forward(view, t, loss=loss, lse=lse, **opts)
+        return view, loss, lse, opts
+    # the stats and the lse in one allocation: the lse is saved, the stats are gathered
+    buf = torch.empty((5, n), dtype=torch.float32, device=device)
+    stats, lse = buf[:4], buf[4]
     if n > 0:
-        if world == 1:
-            backend.forward(view, t, vocab_start=0, loss=loss, lse=lse, **opts)
-        else:
-            stats = torch.empty((4, n), dtype=torch.float32, device=logits.device)
-            backend.forward(view, t, vocab_start=rank * v_local, stats=stats, **opts)
-            gathered = distributed.gather_stats(stats, group)
-            backend.merge(gathered, t, loss, lse, **opts)
-    return view, loss, lse, dict(opts, vocab_start=rank * v_local)
+        backend = _backend(logits)
+        backend.forward(view, t, stats=stats, **opts)
+        gathered = distributed.gather_stats(stats, group)
+        backend.merge(gathered, t, loss, lse,
+                      **{k: v for k, v in opts.items() if k != "vocab_start"})
+    return view, loss, lse, opts
 
 
 def backward_impl(view, t, lse, dloss, count, opts, inplace):
@@ -66,29 +72,50 @@ def backward_impl(view, t, lse, dloss, count, opts, inplace):
     return dview.tensor
 
 
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, smoothing, z_loss, reduction,
-                inplace_backward):
-        t = target.reshape(-1)
-        count = (t != ignore_index).sum() if reduction == "mean" else None
-        view, loss, lse, opts = forward_impl(logits, t, group, ignore_index, smoothing, z_loss)
+class _Config(NamedTuple):
+    """The non-tensor arguments of the autograd Function, as one argument (apply's cost grows
+    with the number of arguments)."""
+
+    group: object
+    ignore_index: int
+    smoothing: float
+    z_loss: float
+    reduction: str
+    inplace_backward: bool
+
+
+def _loss_forward(ctx, logits, target, cfg):
+    """The forward of ``_VocabParallelCrossEntropy``; ``ctx`` is None when no gradient is needed."""
+    one_dim = target.dim() == 1  # the flat targets and the loss need no reshaping
+    t = target if one_dim else target.reshape(-1)
+    ignore_index = cfg.ignore_index
+    mean = cfg.reduction == "mean"
+    count = (t != ignore_index).sum() if mean else None
+    view, loss, lse, opts = forward_impl(logits, t, cfg.group, ignore_index, cfg.smoothing,
+                                         cfg.z_loss)
+    if ctx is not None:
         # view.tensor is the logits themselves except for layouts that needed a copy
         ctx.save_for_backward(view.tensor, t, lse, count)
         ctx.rows = (view.D1, view.s0, view.s1)
         ctx.opts = opts
-        ctx.inplace_backward = inplace_backward
-        if reduction == "none":
-            return loss.view(target.shape)
-        total = loss.sum()
-        return total / count.clamp(min=1) if reduction == "mean" else total
+        ctx.inplace_backward = cfg.inplace_backward
+    if cfg.reduction == "none":
+        return loss if one_dim else loss.view(target.shape)
+    total = loss.sum()
+    return total / count.clamp(min=1) if mean else total
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, cfg):
+        return _loss_forward(ctx, logits, target, cfg)
 
     @staticmethod
     def backward(ctx, dloss):
         logits, t, lse, count = ctx.saved_tensors
         grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, ctx.opts,
                              ctx.inplace_backward)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None
 
 
 def cross_entropy(
@@ -116,24 +143,29 @@ def cross_entropy(
     _checks.check_target_dtype(target)
     _checks.check_smoothing(label_smoothing)
     _checks.check_reduction(reduction)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(logits.shape)}")
-    _checks.check_leading_shape("leading dims of logits", logits.shape[:-1], target)
-    _checks.check_same_device(logits=logits, target=target)
+    shape = logits.shape
+    if not shape or shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(shape)}")
+    if target.shape != shape[:-1]:
+        _checks.check_leading_shape("leading dims of logits", shape[:-1], target)
+    if target.device != logits.device:
+        _checks.check_same_device(logits=logits, target=target)
     if float(z_loss) < 0:
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    v_local = logits.shape[-1]
-    distributed.check_equal_shards(v_local, tp_group, logits.device)
+    if tp_group is not None:  # no group: one shard, nothing to check
+        distributed.check_equal_shards(shape[-1], tp_group, logits.device)
     if _checks.targets_check_requested(check_targets):
-        _checks.check_target_range(target, v_local * distributed.world_size(tp_group), ignore_index)
-    args = (logits, target, tp_group, int(ignore_index), float(label_smoothing), float(z_loss),
-            reduction, bool(inplace_backward))
+        _checks.check_target_range(target, shape[-1] * distributed.world_size(tp_group),
+                                   ignore_index)
+    cfg = _Config(tp_group, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
+                  bool(inplace_backward))
     if compiling():
         from . import ops  # registered torch.library ops: traced by torch.compile, no graph break
 
-        return ops.cross_entropy(*args)
-    return _VocabParallelCrossEntropy.apply(*args)
-
+        return ops.cross_entropy(logits, target, *cfg)
+    if not logits.requires_grad:  # no graph to record: skip the autograd Function's cost
+        return _loss_forward(None, logits, target, cfg)
+    return _VocabParallelCrossEntropy.apply(logits, target, cfg)
 
 
 def parallel_cross_entropy(

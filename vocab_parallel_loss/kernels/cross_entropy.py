@@ -23,9 +23,13 @@ it was dropped: one program holding a row cannot keep enough loads in flight.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from ._launch import launch
 
 # In the kernels, 1.4426950408889634 is log2(e) and 0.6931471805599453 is ln(2): written as
 # literals because plain module-level floats are not visible inside @triton.jit on every version.
@@ -195,9 +199,12 @@ def _ce_backward_kernel(
 
 
 def _block(v_local: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(v_local)))
+    return max(16, min(cap, 1 << (v_local - 1).bit_length()))  # triton.next_power_of_2
 
 
+# the configs are cached (one dict per shape and dtype): they are read on every launch; the dicts
+# are only unpacked into launches, never changed
+@functools.lru_cache(maxsize=256)
 def forward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the statistics pass (tuned on the H200: scripts/tune_kernels.py)."""
     # H200 sweep (2026-12-02, scripts/tune_kernels.py): 2048-element blocks of 16-byte vectors
@@ -206,6 +213,7 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4)
 
 
+@functools.lru_cache(maxsize=256)
 def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
     # the H200 sweep (2026-12-02): 8K-16K blocks; 32 warps on long rows, 8 on TP-sized shards
@@ -220,24 +228,27 @@ def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z
 
     ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets.
     """
-    n, v_local = target.numel(), view.vocab
+    n, x = target.numel(), view.tensor
+    v_local = x.shape[-1]
     finalize = stats is None
-    _ce_forward_kernel[(n,)](
-        view.tensor, target, loss if finalize else stats, loss, lse,
+    launch(
+        _ce_forward_kernel, (n,),
+        x, target, loss if finalize else stats, loss, lse,
         n, v_local, view.D1, view.s0, view.s1, target.stride(0),
         vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
         FINALIZE=finalize, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        **forward_config(v_local, view.tensor.dtype),
+        **forward_config(v_local, x.dtype),
     )
 
 
 def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z_loss):
     world, _, n = gathered.shape
     block_n = 128
-    _ce_merge_kernel[(triton.cdiv(n, block_n),)](
+    launch(
+        _ce_merge_kernel, (-(-n // block_n),),
         gathered, target, loss, lse, n, world, target.stride(0), vocab_size, ignore_index,
         float(smoothing), float(z_loss), HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        BLOCK_N=block_n, BLOCK_W=max(2, triton.next_power_of_2(world)), num_warps=4,
+        BLOCK_N=block_n, BLOCK_W=max(2, 1 << (world - 1).bit_length()), num_warps=4,
     )
 
 
@@ -248,11 +259,14 @@ def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size,
     ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
     ``count`` (a device scalar) divides it for a mean reduction, or is None.
     """
-    n, v_local = target.numel(), view.vocab
-    _ce_backward_kernel[(n,)](
-        view.tensor, dview.tensor, target, lse, dloss, count if count is not None else lse,
-        v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), dloss.stride(0) if dloss.dim() else 0,
+    n, x = target.numel(), view.tensor
+    v_local = x.shape[-1]
+    launch(
+        _ce_backward_kernel, (n,),
+        x, dview.tensor, target, lse, dloss, count if count is not None else lse,
+        v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
+        dloss.stride(0) if dloss.dim() else 0,
         vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
         MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        **backward_config(v_local, view.tensor.dtype),
+        **backward_config(v_local, x.dtype),
     )
