@@ -62,7 +62,8 @@ def forward_impl(logits, t, group, ignore_index, smoothing, z_loss):
 
 def backward_impl(view, t, lse, dloss, count, opts, inplace):
     """The logits gradient: a new tensor, or written over ``view.tensor`` when ``inplace``."""
-    dloss = dloss.reshape(-1) if dloss.dim() else dloss
+    if dloss.dim() > 1:
+        dloss = dloss.reshape(-1)
     dview = view if inplace else like_rows(view)
     if t.numel() > 0:
         _backend(view.tensor).backward(view, dview, t, lse, dloss, count, **opts)

@@ -193,21 +193,22 @@ def _supported() -> bool:
     return True
 
 
-def _specializer_agrees() -> bool:
+def _specializer_agrees(device="cuda") -> bool:
     """Triton's specializer must not tell apart two probe values that share a key."""
     try:
         from triton._C.libtriton import native_specialize_impl
         from triton.backends.compiler import BaseBackend
     except ImportError:  # Python specializer (3.3, 3.4): the rules the key mirrors
         return True
-    x = torch.empty(64, dtype=torch.float32, device="cuda")
+    x = torch.empty(64, dtype=torch.float32, device=device)
     probes = [0, 1, 2, 3, 15, 16, 32, -1, -16, 17, _I32 - 1, _I32, _I32 + 16, -_I32, -_I32 - 1,
               2**40, 2**40 + 1, _U64, _U64 + 16, 2**64 - 1, True, False, 0.0, 1.0, 2.5,
               x, x[1:], x[4:], x[8:], x[3:]]
 
-    try:
+    try:  # the backend JITFunction.run passes (its rules may add to the base ones)
         from triton.compiler import make_backend
-        backend = make_backend(triton.runtime.driver.active.get_current_target())
+        from triton.runtime.driver import driver
+        backend = make_backend(driver.active.get_current_target())
     except Exception:
         backend = BaseBackend
 

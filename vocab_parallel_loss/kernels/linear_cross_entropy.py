@@ -114,6 +114,7 @@ class LCEConfig:
     bwd_mode: str = "fused"
     fwd_chunk_bytes: int = 128 * 1024 * 1024
     chunk_align: int = 64  # rows / columns per chunk are a multiple (16-byte cuBLAS strides)
+    x_chunk_bytes: int = 64 * 1024 * 1024  # chunked backward: fp32 logits per cuBLAS call
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -133,7 +134,7 @@ INTERPRET_CONFIG = LCEConfig(
     mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
-    gif_rows=16, row_block=16, row_warps=4, chunk_align=8,
+    gif_rows=16, row_block=16, row_warps=4, chunk_align=8, x_chunk_bytes=37 * 8 * 4,
 )
 
 #: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and sweeps do this).
@@ -682,9 +683,15 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     return de, dc, db
 
 
+def _needs_dc_staging(e: torch.Tensor, cfg: LCEConfig) -> bool:
+    """cuBLAS computes dC in fp32 into a staging buffer, then rounds once into ``dc``."""
+    return _use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32
+
+
 def _dc_staging(e: torch.Tensor, cols: int, cfg: LCEConfig):
-    """fp32 staging rows for ``dC`` when cuBLAS computes it (rounded once into ``dc``)."""
-    if not (_use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32):
+    """fp32 staging rows for ``dC`` (at most ~64 MiB) and how many; ``(None, cols)`` when no
+    staging is needed."""
+    if not _needs_dc_staging(e, cfg):
         return None, cols
     H = e.shape[1]
     rows = max(1, min(cols, (64 << 20) // (4 * max(H, 1))))
@@ -692,21 +699,38 @@ def _dc_staging(e: torch.Tensor, cols: int, cfg: LCEConfig):
 
 
 def _backward_chunked(e, c, bias, targets, v_offset, coef, softcap, de, dc, db, cfg):
-    """``bwd_mode="chunked"``: per block of vocabulary columns, cuBLAS recomputes the fp32
-    logits ``(N, Vc)``, a row kernel overwrites them with dlogits in the input dtype, and the
-    two gradient GEMMs read that. Extra memory: one ``(N, Vc)`` fp32 chunk (+ fp32 staging)."""
+    """``bwd_mode="chunked"``: per block of ``Vc`` vocabulary columns (``chunk_bytes`` of
+    dlogits in the input dtype), cuBLAS recomputes the fp32 logits in sub-blocks of
+    ``x_chunk_bytes``, a row kernel turns each into dlogits, and the two gradient GEMMs read the
+    whole block. The block is wide because ``dE += dz @ C_chunk`` re-reads and re-writes the fp32
+    ``(N, H)`` accumulator once per block (K = Vc); the fp32 logits need not be as wide.
+    Extra memory: the dlogits block + one fp32 sub-block (reused as staging for dC)."""
     N = e.shape[0]
     V = c.shape[0]
-    vc = _chunk_len(V, cfg.chunk_bytes, 4 * N, cfg.chunk_align)
-    buf = torch.empty((N, vc), dtype=torch.float32, device=e.device)
-    tmp, tmp_rows = _dc_staging(e, vc, cfg)
+    vc = _chunk_len(V, cfg.chunk_bytes, N * e.element_size(), cfg.chunk_align)
+    vx = _chunk_len(vc, cfg.x_chunk_bytes, 4 * N, cfg.chunk_align)
+    xbuf = torch.empty((N, vx), dtype=torch.float32, device=e.device)
+    # dlogits go over the fp32 logits in place when one sub-block covers the block
+    dbuf = None if vx == vc else torch.empty((N, vc), dtype=e.dtype, device=e.device)
+    H = e.shape[1]
+    if dc is not None and dbuf is not None and N * vx >= H and _needs_dc_staging(e, cfg):
+        # the fp32 logits sub-block is free once a block's dlogits exist: stage dC rows there
+        tmp_rows = min(vc, N * vx // H)
+        tmp = xbuf.view(-1)[:tmp_rows * H].view(tmp_rows, H)
+    else:
+        tmp, tmp_rows = _dc_staging(e, vc, cfg) if dc is not None else (None, vc)
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
-        x = buf[:, :nc]
         c_chunk = c[v0:v0 + nc]
-        gemm_store(x, e, c_chunk.t(), cfg, None)
-        dz = rows_dz_inplace(x, bias[v0:v0 + nc] if bias is not None else None, targets,
-                             v_offset + v0, coef, softcap, e.dtype, cfg)
+        for s0 in range(0, nc, vx):
+            s1 = min(nc, s0 + vx)
+            x = xbuf[:, :s1 - s0]
+            gemm_store(x, e, c[v0 + s0:v0 + s1].t(), cfg, None)
+            dz = rows_dz_inplace(x, bias[v0 + s0:v0 + s1] if bias is not None else None,
+                                 targets, v_offset + v0 + s0, coef, softcap, e.dtype, cfg,
+                                 out=None if dbuf is None else dbuf[:, s0:s1])
+        if dbuf is not None:
+            dz = dbuf[:, :nc]
         if de is not None:
             gemm_acc(de, dz, c_chunk, cfg)  # dE += dz @ c_chunk (fp32)
         if dc is not None:  # dC_chunk = dz.T @ e, rounded once
@@ -763,12 +787,16 @@ def rows_stats(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Ten
 
 def rows_dz_inplace(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Tensor,
                     v_offset: int, coef: torch.Tensor, softcap: Optional[float],
-                    dtype: torch.dtype, cfg: LCEConfig) -> torch.Tensor:
-    """Overwrite the fp32 logits ``x (rows, V)`` (contiguous rows) with ``dz`` in ``dtype``;
-    returns the ``(rows, V)`` view of ``dz``."""
+                    dtype: torch.dtype, cfg: LCEConfig,
+                    out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Overwrite the fp32 logits ``x (rows, V)`` (contiguous rows) with ``dz`` in ``dtype``, or
+    write ``dz`` into ``out`` (``(rows, V)``, unit column stride) when given; returns ``dz``."""
     n, v = x.shape
     assert x.stride(1) == 1 and x.dtype == torch.float32
-    if dtype == torch.float32:
+    if out is not None:
+        assert out.shape == x.shape and out.stride(1) == 1 and out.dtype == dtype
+        d = out
+    elif dtype == torch.float32:
         d = x
     else:
         ratio = 4 // torch.empty((), dtype=dtype).element_size()
