@@ -128,3 +128,93 @@ def test_torch_compile_inductor_no_graph_break():
     loss = compiled(h, t)
     torch.testing.assert_close(loss, eager, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(head.weight.grad.float(), g_eager.float(), atol=2e-2, rtol=2e-2)
+
+
+def _fast_launch_cases():
+    """Logits and targets whose pointers, sizes and strides hit every specialization Triton
+    makes: 16-byte aligned or not, divisible by 16 or not, equal to 1."""
+    g = torch.Generator(device="cuda").manual_seed(11)
+    cases = []
+    for n, v in [(64, 4096), (63, 4000), (1, 4096), (17, 33), (2, 1)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            buf = torch.randn(n * v + 8, device="cuda", generator=g).to(dtype)
+            tbuf = torch.randint(0, v, (n + 1,), device="cuda", generator=g)
+            aligned = buf[:n * v].view(n, v)
+            odd = buf[1:1 + n * v].view(n, v)  # one element past an aligned address
+            assert odd.data_ptr() % 16 != 0
+            for x, t in ((aligned, tbuf[:n]), (odd, tbuf[1:])):
+                cases.append((x, t, torch.rand(n, device="cuda", generator=g)))
+    # a strided [s, b, v] view with a row stride that is not a multiple of 16
+    wide = torch.randn(8, 4, 1003, device="cuda", generator=g).to(torch.bfloat16)
+    sbv = wide[..., :1000].transpose(0, 1)
+    t = torch.randint(0, 1000, (4, 8), device="cuda", generator=g)
+    cases.append((sbv, t, torch.rand(4, 8, device="cuda", generator=g)))
+    return cases
+
+
+def _run_cases(cases, **kw):
+    out = []
+    for x, t, up in cases:
+        xr = x.detach().requires_grad_()
+        loss = cross_entropy(xr, t, **kw)
+        (grad,) = torch.autograd.grad(loss, xr, up if kw.get("reduction", "none") == "none"
+                                      else up.sum())
+        out.append((loss, grad))
+    return out
+
+
+@pytest.mark.parametrize("kw", [{}, dict(reduction="mean", label_smoothing=0.1, z_loss=1e-4)])
+def test_fast_launch_is_taken_and_bitwise_equal(kw):
+    """The direct launch of the compiled kernel gives exactly Triton's launch results, also when
+    an aligned call of the same kernel is cached before a misaligned one (a key missing the
+    alignment or an integer's divisibility would launch the wrong specialization)."""
+    from vocab_parallel_loss.kernels import _launch
+
+    cases = _fast_launch_cases()
+    try:
+        _launch.set_enabled(False)
+        expected = _run_cases(cases, **kw)
+        _launch.set_enabled(True)
+        _launch._caches.clear()
+        _run_cases(cases, **kw)  # the first launch of each key goes through Triton
+        before = dict(_launch.counts)
+        got = _run_cases(cases, **kw)
+    finally:
+        _launch.set_enabled(True)
+    assert _launch._enabled, "the fast launch path is not supported by this Triton"
+    assert _launch.counts["fast"] - before["fast"] == 2 * len(cases)  # forward and backward
+    assert _launch.counts["triton"] == before["triton"]
+    for (loss, grad), (e_loss, e_grad) in zip(got, expected):
+        assert torch.equal(loss, e_loss) and torch.equal(grad, e_grad)
+
+
+def test_fast_launch_steps_aside_for_launch_hooks():
+    """A profiler's launch hook must see every launch: the fast path falls back to Triton."""
+    from triton import knobs
+
+    from vocab_parallel_loss.kernels import _launch
+
+    x, t, _ = _case(64, 4096, torch.bfloat16)
+    cross_entropy(x, t)  # cached
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata)
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # newer Triton: a chain of hooks, never None
+        chain.add(hook)
+    else:
+        knobs.runtime.launch_enter_hook = hook
+    try:
+        before = dict(_launch.counts)
+        cross_entropy(x, t)
+        torch.cuda.synchronize()
+    finally:
+        if hasattr(chain, "remove"):
+            chain.remove(hook)
+        else:
+            knobs.runtime.launch_enter_hook = chain
+    assert len(seen) == 1
+    assert _launch.counts["triton"] == before["triton"] + 1
+    assert _launch.counts["fast"] == before["fast"]
