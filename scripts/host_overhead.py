@@ -3,7 +3,8 @@
     python scripts/host_overhead.py
 
 Each figure is the mean CPU time per call over many calls on a tiny input (the GPU work is
-negligible, so this is the launch-bound cost a small model or a short sequence pays).
+negligible, so this is the launch-bound cost a small model or a short sequence pays), with the
+fast launch path of kernels/_launch.py on and off (as with ``VPL_FAST_LAUNCH=0``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from vocab_parallel_loss import cross_entropy
 from vocab_parallel_loss._layout import row_view
+from vocab_parallel_loss.kernels import _launch
 from vocab_parallel_loss.kernels import cross_entropy as K
 
 
@@ -44,8 +46,20 @@ def main() -> None:
         "cross_entropy(mean)": lambda: cross_entropy(x, t, reduction="mean"),
         "fwd+bwd (none)": lambda: torch.autograd.grad(cross_entropy(x, t).sum(), x),
     }
+    print(f"{'':32s} {'fast launch':>12s} {'off':>9s}")
     for name, fn in rows.items():
-        print(f"{name:32s} {per_call_us(fn):8.1f} us", flush=True)
+        _launch.set_enabled(True)
+        on = per_call_us(fn)
+        _launch.set_enabled(False)
+        off = per_call_us(fn)
+        print(f"{name:32s} {on:9.1f} us {off:6.1f} us", flush=True)
+    _launch.set_enabled(True)
+    fn = rows["cross_entropy(none)"]
+    before = dict(_launch.counts)
+    fn()
+    print(f"launches of one cross_entropy(none): {_launch.counts['fast'] - before['fast']} fast, "
+          f"{_launch.counts['triton'] - before['triton']} through Triton (fast path "
+          f"{'on' if _launch._enabled else 'not supported here'})")
 
 
 if __name__ == "__main__":
