@@ -255,13 +255,11 @@ def markdown(rows, notes, meta):
 # the 6NHV path.
 SWEEP = [
     {},
+    dict(bwd_mode="fused"),
     dict(bwd_mode="chunked"),
     dict(bwd_mode="chunked", x_chunk_bytes=32 << 20),
     dict(bwd_mode="chunked", chunk_bytes=256 << 20),
     dict(fwd_mode="chunked", bwd_mode="chunked"),
-    dict(grad_in_forward="de"),
-    dict(grad_in_forward="de", bwd_mode="chunked"),
-    dict(grad_in_forward="de", bwd_mode="chunked", fwd_chunk_bytes=512 << 20),
     dict(grad_in_forward="always"),
 ]
 SWEEP_TILES = [

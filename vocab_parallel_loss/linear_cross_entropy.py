@@ -169,7 +169,7 @@ class _Opts:
     smoothing: float
     z_loss: float
     backend: object
-    grad_in_forward: str = ""  # "": none; "de": dE in forward, dC in backward; "all": both
+    grad_in_forward: bool = False
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
@@ -261,11 +261,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dev = e.device
         de32 = dc = db = None
         e2 = t2 = None
-        if o.grad_in_forward == "de":
-            de32, dc, db = _backward_after_de_in_forward(e, c, bias, targets, lse, count, de_f,
-                                                         grad_loss, grad_lse, o, v_global,
-                                                         v_offset, need_de, need_dc, need_db)
-        elif o.grad_in_forward:
+        if o.grad_in_forward:
             # gradients of the loss were formed in forward with an upstream gradient of 1
             gl = (grad_loss.float() if grad_loss is not None
                   else torch.zeros((), dtype=torch.float32, device=dev))
@@ -326,27 +322,6 @@ def _token_grad(grad_loss, t2, count, o: _Opts):
     return torch.where(valid, g, torch.zeros((), dtype=torch.float32, device=dev))
 
 
-def _backward_after_de_in_forward(e, c, bias, targets, lse, count, de_f, grad_loss, grad_lse,
-                                  o: _Opts, v_global, v_offset, need_de, need_dc, need_db):
-    """``grad_in_forward="de"``: dE (for an upstream gradient of 1) came from forward; scale it,
-    and form dC / dbias with the usual column-chunk pass (which then skips dE). An lse gradient
-    (``return_lse``) needs its own dE term: one more pass, only when it is given."""
-    e2, t2, _, _ = _rows(e, targets, o)
-    de32 = dc = db = None
-    if need_de:
-        de32 = de_f * (grad_loss.float() if grad_loss is not None else 0.0)
-        if grad_lse is not None:
-            coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
-            de32 = de32 + o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
-                                             True, False, False)[0]
-    if need_dc or need_db:
-        coef = _coef(lse, _token_grad(grad_loss, t2, count, o), o, v_global,
-                     grad_lse.reshape(-1).float() if grad_lse is not None else None)
-        _, dc, db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap, False,
-                                       need_dc, need_db)
-    return de32, dc, db
-
-
 def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int):
     """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
     over materialized fp32 row chunks of the logits (Triton backend only; see
@@ -356,8 +331,6 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     cfg = K.default_config(e2.device)
     need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
-    if o.grad_in_forward == "de":  # dC and dbias come from the backward's column pass
-        need_dc = need_db = False
     n, h = e2.shape
     v = c.shape[0]
     dev = e2.device
@@ -372,7 +345,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
-    rows = K.gif_chunk_rows(n, v, cfg, o.grad_in_forward)
+    rows = K.gif_chunk_rows(n, v, cfg)
     xbuf = torch.empty((rows, v), dtype=f32, device=dev) if n else None
     for i, r0 in enumerate(range(0, n, rows)):
         r1 = min(n, r0 + rows)
@@ -442,26 +415,19 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
         torch.Size(lead), targets)
 
 
-def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> str:
-    """Which gradients a scalar loss forms in forward: "" (none), "de" or "all" (see
-    ``LCEConfig.grad_in_forward``)."""
+def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> bool:
     if backend is _TorchBackend or reduction == "none" or not torch.is_grad_enabled():
-        return ""
+        return False
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return ""
+        return False
     cfg = backend.default_config(e.device)
-    mode = cfg.grad_in_forward
-    if mode == "always":
-        return "all"
-    if mode == "de":
-        return "de" if e.requires_grad else ""
-    if mode != "auto":
-        return ""
+    if cfg.grad_in_forward == "always":
+        return True
+    if cfg.grad_in_forward != "auto":
+        return False
     h = e.shape[-1]
     n = e.numel() // max(h, 1) * (distributed.world_size(group) if sequence_parallel else 1)
-    if backend.gif_extra_bytes(n, c.shape[0], h, cfg) <= cfg.gif_max_bytes:
-        return "all"
-    return "de" if e.requires_grad else ""
+    return backend.gif_extra_bytes(n, c.shape[0], h, cfg) <= cfg.gif_max_bytes
 
 
 def linear_cross_entropy(

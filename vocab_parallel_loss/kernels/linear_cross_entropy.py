@@ -62,19 +62,13 @@ class LCEConfig:
     accumulates in fp32 and ``dC`` is rounded once; falls back to Triton where that overload is
     missing). CPU (interpreter) always uses Triton.
 
-    ``grad_in_forward``: ``"never"`` (default), ``"de"``, ``"auto"`` or ``"always"``.
-    ``"de"``: a scalar loss forms ``dE`` in forward from row chunks of materialized fp32 logits
-    (``fwd_chunk_bytes``; each row's dE is one GEMM over all of V, so no accumulation), holds it
-    in fp32 until backward, and forms ``dC`` there from column chunks (each column's dC is one
-    GEMM over all rows): 8NHV flops like the default, but no GEMM accumulates into an fp32
-    buffer across chunks (cuBLAS runs those ~10% slower). ``"always"``: for a scalar loss
+    ``grad_in_forward``: ``"never"`` (default), ``"auto"`` or ``"always"``. For a scalar loss
     (``reduction`` mean or sum) that needs gradients, form both gradients already in forward
     from ``gif_rows``-row chunks of materialized fp32 logits: 6NHV flops instead of 8NHV, at
     the price of memory that grows with V: an fp32 ``(V_local, H)`` ``dC`` accumulator and a
     ``gif_rows x V_local`` fp32 chunk (plus the fp32 ``(N, H)`` ``dE`` both paths hold).
     Gradients stay fp32 until backward scales them by the upstream gradient and rounds once.
-    ``"auto"`` takes ``"always"`` when ``gif_extra_bytes`` stays under ``gif_max_bytes``, else
-    ``"de"``.
+    ``"auto"`` takes it when ``gif_extra_bytes`` stays under ``gif_max_bytes``.
     ``row_block`` / ``row_warps``: the memory-bound row kernels of that path.
 
     ``fwd_mode`` / ``bwd_mode``: ``"fused"`` computes logits tiles with ``tl.dot`` inside the
@@ -120,7 +114,10 @@ class LCEConfig:
         return dataclasses.replace(self, **kw)
 
 
-HOPPER_CONFIG = LCEConfig()
+# Hopper: cuBLAS recomputes the logits in backward (H200, N=16384, H=4096: 111.5 vs 115.6 ms
+# at V=128256, 14.6 vs 14.8 ms at V=16032, same memory; benchmarks/results/linear_*-1839.md).
+# The fused forward stays: its tl.dot tiles match cuBLAS + a row pass (29.1 vs 29.4-33 ms).
+HOPPER_CONFIG = LCEConfig(bwd_mode="chunked")
 AMPERE_CONFIG = LCEConfig(
     fwd_block_n=128, fwd_block_v=128, fwd_block_h=32, fwd_warps=8, fwd_stages=4,
     bwd_block_n=128, bwd_block_v=128, bwd_block_h=32, bwd_warps=8, bwd_stages=4,
@@ -747,12 +744,7 @@ def _backward_chunked(e, c, bias, targets, v_offset, coef, softcap, de, dc, db, 
 # ----------------------------------------------------------------------------------------------
 
 
-def gif_chunk_rows(n: int, v: int, cfg: LCEConfig, mode: str = "all") -> int:
-    """Rows of materialized fp32 logits per chunk: ``gif_rows`` when both gradients are formed
-    in forward (the dC GEMM accumulates over chunks and wants a large K), else as many as fit
-    ``fwd_chunk_bytes`` (the dE GEMM of a row chunk reduces over all of V, any row count)."""
-    if mode == "de":
-        return _chunk_len(n, cfg.fwd_chunk_bytes, 4 * v, cfg.chunk_align)
+def gif_chunk_rows(n: int, v: int, cfg: LCEConfig) -> int:
     return max(1, min(n, cfg.gif_rows))
 
 
