@@ -230,7 +230,8 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
 
 def markdown(rows, notes, meta):
     lines = [f"# Fused linear cross entropy, {meta['device']}", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, bf16, fwd+bwd (dE and dC), "
+             f"torch {meta['torch']}, triton {meta['triton']}, commit `{meta.get('commit')}`, "
+             "bf16, fwd+bwd (dE and dC), "
              f"{meta['time']}. TFLOP/s: 6NHV/time (scalar loss) and 8NHV/time (per-token loss). "
              "Memory: peak above the inputs during the step; with and without the gradients "
              "left behind (dE + dC in bf16).", "",
@@ -355,6 +356,7 @@ def main() -> None:
             K.OVERRIDE_CONFIG = K.default_config(dev).replace(**best["delta"])
     cfg = K.default_config(dev)
     meta = dict(device=torch.cuda.get_device_name(dev) if DEV == "cuda" else "cpu-smoke",
+                commit=os.environ.get("BENCH_COMMIT") or os.environ.get("GIT_COMMIT"),
                 torch=torch.__version__,
                 triton=triton.__version__,
                 time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
