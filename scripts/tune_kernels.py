@@ -36,10 +36,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None, help="e.g. 16384x16032,65536x16032")
     ap.add_argument("--stages", default=None, help="also sweep num_stages, e.g. 1,2,3,4")
-    ap.add_argument("--programs-per-sm", default=None,
-                    help="forward only: also sweep a persistent grid, e.g. 0,4,8,16 (0: a "
-                         "program per row)")
-    ap.add_argument("--fwd-only", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
@@ -63,19 +59,13 @@ def main() -> None:
 
         fwd_cfgs = with_stages([dict(BLOCK=b, VEC=vec, num_warps=w) for b, vec, w in
                                 itertools.product([1024, 2048, 4096], [8], [2, 4, 8])])
-        if args.programs_per_sm:
-            fwd_cfgs = [dict(c, programs_per_sm=int(p)) for c in fwd_cfgs
-                        for p in args.programs_per_sm.split(",")]
         bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w) for b, w in
                                 itertools.product([8192, 16384], [4, 8, 16, 32])])
-        phases = [("fwd", fwd_cfgs, 2)] + ([] if args.fwd_only else [("bwd", bwd_cfgs, 4)])
-        for phase, cfgs, bytes_per in phases:
+        for phase, cfgs, bytes_per in [("fwd", fwd_cfgs, 2), ("bwd", bwd_cfgs, 4)]:
             best = None
             for cfg in cfgs:
                 if phase == "fwd":
-                    kernel_cfg = {k: val for k, val in cfg.items() if k != "programs_per_sm"}
-                    K.FWD_PROGRAMS_PER_SM = cfg.get("programs_per_sm", 0)
-                    K.forward_config = lambda *_a, c=kernel_cfg: c
+                    K.forward_config = lambda *_a, c=cfg: c
                     fn = lambda: K.forward(view, t, loss=loss, lse=lse, **opts)  # noqa: E731
                 else:
                     K.backward_config = lambda *_a, c=cfg: c
@@ -92,7 +82,7 @@ def main() -> None:
                 if best is None or ms < best["ms"]:
                     best = row
             print(f"best {phase} {n}x{v}: {best}", flush=True)
-        x = dview = None  # free this shape before the next one allocates
+        del x, dview  # free this shape before the next one allocates
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, results=results), f, indent=1)

@@ -112,28 +112,23 @@ def _ce_forward_kernel(
     FINALIZE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):
-    # one row per program, or (a smaller grid, see forward_programs) rows pid, pid + grid, ...
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    for it in range(0, tl.cdiv(N - pid, grid)):
-        row = pid + it * grid
-        x_row = x_ptr + _row_start(row, D1, s0, s1)
-        t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
-        m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK,
-                                      VEC)
-        if FINALIZE:
-            # one shard holds the whole vocabulary: the loss comes straight out
-            lse = m + tl.log2(s) * 0.6931471805599453
-            loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
-                                         z_loss, HAS_SMOOTHING, HAS_Z)
-            tl.store(loss_ptr + row, loss)
-            tl.store(lse_ptr + row, lse)
-        else:
-            # stats layout (4, N): max, sum-exp, target logit, sum of logits
-            tl.store(stats_ptr + row, m)
-            tl.store(stats_ptr + N + row, s)
-            tl.store(stats_ptr + 2 * N + row, x_t)
-            tl.store(stats_ptr + 3 * N + row, sum_x)
+    row = tl.program_id(0)
+    x_row = x_ptr + _row_start(row, D1, s0, s1)
+    t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
+    m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK, VEC)
+    if FINALIZE:
+        # one shard holds the whole vocabulary: the loss comes straight out
+        lse = m + tl.log2(s) * 0.6931471805599453
+        loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
+                                     z_loss, HAS_SMOOTHING, HAS_Z)
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
+    else:
+        # stats layout (4, N): max, sum-exp, target logit, sum of logits
+        tl.store(stats_ptr + row, m)
+        tl.store(stats_ptr + N + row, s)
+        tl.store(stats_ptr + 2 * N + row, x_t)
+        tl.store(stats_ptr + 3 * N + row, sum_x)
 
 
 @triton.jit
@@ -218,22 +213,6 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4)
 
 
-#: Forward grid: 0 launches one program per row; k > 0 launches at most k programs per
-#: multiprocessor, each looping over rows (a persistent grid). Tuning knob (tune_kernels.py).
-FWD_PROGRAMS_PER_SM = 0
-
-
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def forward_programs(n: int, x: torch.Tensor) -> int:
-    if FWD_PROGRAMS_PER_SM <= 0 or not x.is_cuda:
-        return n
-    return max(1, min(n, FWD_PROGRAMS_PER_SM * _num_sms(x.device.index or 0)))
-
-
 @functools.lru_cache(maxsize=256)
 def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
@@ -253,7 +232,7 @@ def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z
     v_local = x.shape[-1]
     finalize = stats is None
     launch(
-        _ce_forward_kernel, (forward_programs(n, x),),
+        _ce_forward_kernel, (n,),
         x, target, loss if finalize else stats, loss, lse,
         n, v_local, view.D1, view.s0, view.s1, target.stride(0),
         vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
