@@ -82,7 +82,7 @@ def main() -> None:
                 if best is None or ms < best["ms"]:
                     best = row
             print(f"best {phase} {n}x{v}: {best}", flush=True)
-        del x, dview  # free this shape before the next one allocates
+        x = dview = None  # free this shape before the next one allocates
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, results=results), f, indent=1)
