@@ -46,13 +46,29 @@ def main() -> None:
         "cross_entropy(mean)": lambda: cross_entropy(x, t, reduction="mean"),
         "fwd+bwd (none)": lambda: torch.autograd.grad(cross_entropy(x, t).sum(), x),
     }
-    print(f"{'':32s} {'fast launch':>12s} {'off':>9s}")
+    print(f"{'':32s} {'fast launch':>12s} {'off':>9s}   (best of 3 alternating runs)")
     for name, fn in rows.items():
-        _launch.set_enabled(True)
-        on = per_call_us(fn)
-        _launch.set_enabled(False)
-        off = per_call_us(fn)
-        print(f"{name:32s} {on:9.1f} us {off:6.1f} us", flush=True)
+        on, off = [], []
+        for _ in range(3):  # alternate, so that drift of the host does not favour one side
+            _launch.set_enabled(True)
+            on.append(per_call_us(fn))
+            _launch.set_enabled(False)
+            off.append(per_call_us(fn))
+        print(f"{name:32s} {min(on):9.1f} us {min(off):6.1f} us", flush=True)
+    # the floor: Triton's compiled launcher called with ready arguments (no key, no lookup)
+    _launch.set_enabled(True)
+    K.forward(view, t, loss=loss, lse=lse, **opts)
+    K.forward(view, t, loss=loss, lse=lse, **opts)
+    cache = _launch._caches.get(K._ce_forward_kernel)
+    if cache:
+        run, function, metadata, tail, _ = next(iter(cache.values()))
+        stream = torch.cuda.current_stream().cuda_stream
+        # exactly K.forward's arguments
+        args = (x, t, loss, loss, lse, 8, 128, view.D1, view.s0, view.s1, t.stride(0), 0, 128,
+                -100, 0.0, 0.0)
+        floor = min(per_call_us(lambda: run(8, 1, 1, stream, function, metadata, None, None,
+                                            None, *args, *tail)) for _ in range(3))
+        print(f"{'compiled launcher alone':32s} {floor:9.1f} us", flush=True)
     _launch.set_enabled(True)
     fn = rows["cross_entropy(none)"]
     before = dict(_launch.counts)

@@ -90,20 +90,20 @@ def _loss_forward(ctx, logits, target, cfg):
     one_dim = target.dim() == 1  # the flat targets and the loss need no reshaping
     t = target if one_dim else target.reshape(-1)
     ignore_index = cfg.ignore_index
-    mean = cfg.reduction == "mean"
-    count = (t != ignore_index).sum() if mean else None
     view, loss, lse, opts = forward_impl(logits, t, cfg.group, ignore_index, cfg.smoothing,
                                          cfg.z_loss)
+    out = count = None
+    if cfg.reduction != "none":
+        out, count = _backend(logits).reduce(loss, t, ignore_index, cfg.reduction == "mean")
     if ctx is not None:
         # view.tensor is the logits themselves except for layouts that needed a copy
         ctx.save_for_backward(view.tensor, t, lse, count)
         ctx.rows = (view.D1, view.s0, view.s1)
         ctx.opts = opts
         ctx.inplace_backward = cfg.inplace_backward
-    if cfg.reduction == "none":
+    if out is None:
         return loss if one_dim else loss.view(target.shape)
-    total = loss.sum()
-    return total / count.clamp(min=1) if mean else total
+    return out
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

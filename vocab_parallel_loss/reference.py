@@ -89,6 +89,14 @@ def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z
     lse.copy_(e)
 
 
+def reduce(loss, target, ignore_index, mean):
+    """Same contract as the Triton backend's ``reduce``."""
+    if not mean:
+        return loss.sum(), None
+    count = (target != ignore_index).sum()
+    return loss.sum() / count.clamp(min=1), count
+
+
 def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size, ignore_index,
              smoothing, z_loss):
     """Same contract as ``kernels.cross_entropy.backward``."""

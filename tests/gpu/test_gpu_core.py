@@ -179,9 +179,10 @@ def test_fast_launch_is_taken_and_bitwise_equal(kw):
         _run_cases(cases, **kw)  # the first launch of each key goes through Triton
         before = dict(_launch.counts)
         got = _run_cases(cases, **kw)
+        enabled = _launch._enabled  # set_enabled(True) below resets it to "decide again"
     finally:
         _launch.set_enabled(True)
-    assert _launch._enabled, "the fast launch path is not supported by this Triton"
+    assert enabled, "the fast launch path is not supported by this Triton"
     assert _launch.counts["fast"] - before["fast"] == 2 * len(cases)  # forward and backward
     assert _launch.counts["triton"] == before["triton"]
     for (loss, grad), (e_loss, e_grad) in zip(got, expected):
