@@ -236,3 +236,13 @@ def test_cublas_fp32_out_gemms_available():
         pytest.xfail(f"cuBLAS fp32-out GEMM unavailable in torch {torch.__version__}: {ex}")
     torch.testing.assert_close(acc, want, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(out, a.float() @ b.float(), atol=1e-3, rtol=1e-4)
+
+
+def test_reduced_precision_flags_are_restored():
+    """The GEMMs turn off cuBLAS's reduced-precision split-K reductions for themselves only."""
+    m = torch.backends.cuda.matmul
+    before = (m.allow_bf16_reduced_precision_reduction, m.allow_fp16_reduced_precision_reduction)
+    e, c, b, t, up = _case(512, 256, 1000)
+    _run(e, c, b, t, up, reduction="mean", impl="triton")
+    assert (m.allow_bf16_reduced_precision_reduction,
+            m.allow_fp16_reduced_precision_reduction) == before

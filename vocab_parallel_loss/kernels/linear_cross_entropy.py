@@ -583,14 +583,33 @@ def _torch_mm_failed(op: str, ex: Exception) -> None:
                   "using the Triton GEMM for that gradient", RuntimeWarning, stacklevel=3)
 
 
+class _Fp32Reductions:
+    """cuBLAS may reduce split-K partial sums in bf16/fp16 when PyTorch allows it (its default),
+    even with an fp32 output: measured on the H200, dC = dz.T @ E over K = 2^19 rows came out
+    2.5 bf16 ulps off in one row. Our GEMMs promise fp32 accumulation, so they turn it off."""
+
+    def __enter__(self):
+        m = torch.backends.cuda.matmul
+        self.saved = (m.allow_bf16_reduced_precision_reduction,
+                      m.allow_fp16_reduced_precision_reduction)
+        m.allow_bf16_reduced_precision_reduction = False
+        m.allow_fp16_reduced_precision_reduction = False
+
+    def __exit__(self, *exc):
+        m = torch.backends.cuda.matmul
+        (m.allow_bf16_reduced_precision_reduction,
+         m.allow_fp16_reduced_precision_reduction) = self.saved
+
+
 def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig) -> None:
     """``acc += a @ b`` with ``acc`` fp32 and fp32 accumulation."""
     if _use_torch_mm(a, cfg, "addmm"):
         try:
-            if a.dtype == torch.float32:
-                acc.addmm_(a, b)
-            else:
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            with _Fp32Reductions():
+                if a.dtype == torch.float32:
+                    acc.addmm_(a, b)
+                else:
+                    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
             _torch_mm_failed("addmm", ex)
@@ -602,14 +621,15 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
     """``out = a @ b`` accumulated in fp32 and rounded once to ``out.dtype``."""
     if _use_torch_mm(a, cfg, "mm"):
         try:
-            if a.dtype == torch.float32:
-                torch.mm(a, b, out=out)
-            elif out.dtype == torch.float32:
-                torch.mm(a, b, out_dtype=torch.float32, out=out)
-            else:
-                t = tmp[:out.shape[0]]
-                torch.mm(a, b, out_dtype=torch.float32, out=t)
-                out.copy_(t)
+            with _Fp32Reductions():
+                if a.dtype == torch.float32:
+                    torch.mm(a, b, out=out)
+                elif out.dtype == torch.float32:
+                    torch.mm(a, b, out_dtype=torch.float32, out=out)
+                else:
+                    t = tmp[:out.shape[0]]
+                    torch.mm(a, b, out_dtype=torch.float32, out=t)
+                    out.copy_(t)
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
             _torch_mm_failed("mm", ex)
