@@ -107,17 +107,20 @@ class LCEConfig:
     fwd_mode: str = "fused"
     bwd_mode: str = "fused"
     fwd_chunk_bytes: int = 128 * 1024 * 1024
-    chunk_align: int = 64  # rows / columns per chunk are a multiple (16-byte cuBLAS strides)
+    # rows / columns per chunk are a multiple of this. 256, not less: cuBLAS (H200, torch 2.11)
+    # computes dC = dz.T @ E with K = 2^19 rows 20x less accurately for M <= 128 rows than for
+    # M = 256 (3e-3 vs 1.3e-4 relative; scripts/diag_mm_large.py), whatever the output dtype.
+    chunk_align: int = 256
     x_chunk_bytes: int = 64 * 1024 * 1024  # chunked backward: fp32 logits per cuBLAS call
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
 
 
-# Hopper: cuBLAS recomputes the logits in backward (H200, N=16384, H=4096: 111.5 vs 115.6 ms
-# at V=128256, 14.6 vs 14.8 ms at V=16032, same memory; benchmarks/results/linear_*-1839.md).
-# The fused forward stays: its tl.dot tiles match cuBLAS + a row pass (29.1 vs 29.4-33 ms).
-HOPPER_CONFIG = LCEConfig(bwd_mode="chunked")
+# Fused modes by default. The chunked backward measured 111.5 vs 115.6 ms (V=128256, N=16384,
+# H=4096) in one sweep (benchmarks/results/linear_*-1839.md) but 116.7 in the next table run:
+# no reliable gain. The fused forward matches cuBLAS + a row pass (29.1 vs 29.4-33 ms).
+HOPPER_CONFIG = LCEConfig()
 AMPERE_CONFIG = LCEConfig(
     fwd_block_n=128, fwd_block_v=128, fwd_block_h=32, fwd_warps=8, fwd_stages=4,
     bwd_block_n=128, bwd_block_v=128, bwd_block_h=32, bwd_warps=8, bwd_stages=4,
@@ -584,9 +587,9 @@ def _torch_mm_failed(op: str, ex: Exception) -> None:
 
 
 class _Fp32Reductions:
-    """cuBLAS may reduce split-K partial sums in bf16/fp16 when PyTorch allows it (its default),
-    even with an fp32 output: measured on the H200, dC = dz.T @ E over K = 2^19 rows came out
-    2.5 bf16 ulps off in one row. Our GEMMs promise fp32 accumulation, so they turn it off."""
+    """PyTorch lets cuBLAS reduce split-K partial sums in bf16/fp16 by default; our GEMMs promise
+    fp32 accumulation, so they turn that off for themselves. (It does not cure the small-M case
+    measured on the H200, see ``chunk_align``.)"""
 
     def __enter__(self):
         m = torch.backends.cuda.matmul
@@ -711,7 +714,8 @@ def _dc_staging(e: torch.Tensor, cols: int, cfg: LCEConfig):
     if not _needs_dc_staging(e, cfg):
         return None, cols
     H = e.shape[1]
-    rows = max(1, min(cols, (64 << 20) // (4 * max(H, 1))))
+    # ~64 MiB, but never fewer than 256 rows (the accuracy of small-M GEMMs: chunk_align)
+    rows = max(1, min(cols, max(256, (64 << 20) // (4 * max(H, 1)))))
     return torch.empty((rows, H), dtype=torch.float32, device=e.device), rows
 
 
