@@ -734,7 +734,8 @@ def _backward_chunked(e, c, bias, targets, v_offset, coef, softcap, de, dc, db, 
     # dlogits go over the fp32 logits in place when one sub-block covers the block
     dbuf = None if vx == vc else torch.empty((N, vc), dtype=e.dtype, device=e.device)
     H = e.shape[1]
-    if dc is not None and dbuf is not None and N * vx >= H and _needs_dc_staging(e, cfg):
+    if (dc is not None and dbuf is not None and N * vx // H >= min(vc, 256)
+            and _needs_dc_staging(e, cfg)):
         # the fp32 logits sub-block is free once a block's dlogits exist: stage dC rows there
         tmp_rows = min(vc, N * vx // H)
         tmp = xbuf.view(-1)[:tmp_rows * H].view(tmp_rows, H)
