@@ -61,3 +61,48 @@ def test_no_grad_shortcut_matches_the_autograd_function(reduction):
                             label_smoothing=0.1)
     assert not plain.requires_grad and tracked.requires_grad
     assert torch.equal(plain, tracked.detach())
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels")
+@pytest.mark.parametrize("mean", [False, True])
+def test_reduction_kernel_matches_fp64(mean):
+    """The single-program reduction over several 4096-token blocks (the last one partial)."""
+    from vocab_parallel_loss.kernels import cross_entropy as K
+
+    g = torch.Generator().manual_seed(11)
+    loss = torch.rand(9001, generator=g) * 5
+    t = torch.randint(0, 7, (9001, 2), generator=g)[:, 0]  # stride 2
+    t[torch.rand(9001, generator=g) < 0.3] = -100
+    loss[t == -100] = 0.0
+    total, count = K.reduce(loss, t, -100, mean)
+    keep = (t != -100).sum()
+    want = loss.double().sum() / (keep if mean else 1)
+    torch.testing.assert_close(total.double(), want, rtol=1e-6, atol=0)
+    if mean:
+        assert count.dtype == torch.int64 and count.item() == keep.item()
+    else:
+        assert count is None
+    empty, n0 = K.reduce(loss[:0], t[:0], -100, True)
+    assert empty.item() == 0.0 and n0.item() == 0
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="runs the Triton kernels")
+@pytest.mark.parametrize("one_program_max", [0, 10**9])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_reduction_paths_agree_with_fp64(one_program_max, reduction, monkeypatch):
+    """Both reductions of the loss: one program (small N) and PyTorch's (large N)."""
+    from vocab_parallel_loss.kernels import cross_entropy as K
+
+    monkeypatch.setattr(K, "REDUCE_ONE_PROGRAM_MAX", one_program_max)
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 13, 7, generator=g, requires_grad=True)
+    t = torch.randint(0, 7, (3, 13), generator=g)
+    t[torch.rand(t.shape, generator=g) < 0.3] = -100
+    got = cross_entropy(x, t, reduction=reduction)
+    xd = x.detach().double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(xd.reshape(-1, 7), t.reshape(-1),
+                                             reduction=reduction)
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=1e-6)
+    (g1,) = torch.autograd.grad(got, x)
+    (g2,) = torch.autograd.grad(want, xd)
+    torch.testing.assert_close(g1.double(), g2, rtol=1e-5, atol=1e-7)
