@@ -288,10 +288,9 @@ def reduce(loss, target, ignore_index, mean):
     """``(total, count)``: fp32 scalars sum or mean of ``loss`` (N,), and for ``mean`` the int64
     count of non-ignored targets (None otherwise)."""
     if loss.numel() > REDUCE_ONE_PROGRAM_MAX:
-        if not mean:
-            return loss.sum(), None
-        count = (target != ignore_index).sum()
-        return loss.sum() / count.clamp(min=1), count
+        from .. import reference  # the PyTorch ops, same contract
+
+        return reference.reduce(loss, target, ignore_index, mean)
     out = torch.empty((), dtype=torch.float32, device=loss.device)
     count = torch.empty((), dtype=torch.int64, device=loss.device) if mean else None
     launch(_ce_reduce_kernel, (1,), loss, target, out, count if mean else out, loss.numel(),
