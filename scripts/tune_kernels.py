@@ -18,6 +18,7 @@ import torch
 import triton.testing
 
 from vocab_parallel_loss._layout import like_rows, row_view
+from vocab_parallel_loss._options import LossOptions
 from vocab_parallel_loss.kernels import cross_entropy as K
 
 SHAPES = [(16384, 32000), (16384, 128256), (8192, 256000), (16384, 16032), (65536, 16032)]
@@ -52,7 +53,7 @@ def main() -> None:
         g = torch.randn(n, device="cuda")
         view = row_view(x)
         dview = like_rows(view)
-        opts = dict(vocab_start=0, vocab_size=v, ignore_index=-100, smoothing=0.0, z_loss=0.0)
+        opts = LossOptions(0, v, -100, 0.0, 0.0)
         elems = n * v
         def with_stages(cfgs):
             return [dict(c, num_stages=st) if st else c for c in cfgs for st in stages]
@@ -66,10 +67,10 @@ def main() -> None:
             for cfg in cfgs:
                 if phase == "fwd":
                     K.forward_config = lambda *_a, c=cfg: c
-                    fn = lambda: K.forward(view, t, loss=loss, lse=lse, **opts)  # noqa: E731
+                    fn = lambda: K.forward(view, t, opts, None, loss, lse)  # noqa: E731
                 else:
                     K.backward_config = lambda *_a, c=cfg: c
-                    fn = lambda: K.backward(view, dview, t, lse, g, None, **opts)  # noqa: E731
+                    fn = lambda: K.backward(view, dview, t, lse, g, None, opts)  # noqa: E731
                 try:
                     fn()
                     ms = triton.testing.do_bench(fn, warmup=10, rep=60)

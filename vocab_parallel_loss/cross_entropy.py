@@ -17,6 +17,7 @@ import torch
 
 from . import _checks, distributed, reference
 from ._layout import RowView, like_rows, row_view
+from ._options import LossOptions
 from ._runtime import compiling
 
 try:  # Triton is optional at import time: the PyTorch path covers its absence
@@ -33,31 +34,34 @@ def _backend(t: torch.Tensor):
     return reference
 
 
-def forward_impl(logits, t, group, ignore_index, smoothing, z_loss):
-    """Per-token fp32 loss and lse of flat targets ``t``; returns (view, loss, lse, opts)."""
-    view = row_view(logits)
-    n, v_local, device = t.numel(), logits.shape[-1], logits.device
+def loss_options(group, v_local, ignore_index, smoothing, z_loss) -> LossOptions:
+    """The options of this rank's shard of a ``v_local``-column vocabulary slice."""
+    if group is None:  # the common single-shard call: no process-group queries
+        return LossOptions(0, v_local, ignore_index, smoothing, z_loss)
     world = distributed.world_size(group)
     rank = distributed.rank(group) if world > 1 else 0
-    # the options as both backends take them (keyword arguments), also those of the backward
-    opts = dict(vocab_start=rank * v_local, vocab_size=v_local * world,
-                ignore_index=ignore_index, smoothing=smoothing, z_loss=z_loss)
+    return LossOptions(rank * v_local, v_local * world, ignore_index, smoothing, z_loss)
+
+
+def forward_impl(logits, t, group, opts):
+    """Per-token fp32 loss and lse of flat targets ``t``; returns (view, loss, lse)."""
+    view = row_view(logits)
+    n, device = t.numel(), logits.device
     loss = torch.empty(n, dtype=torch.float32, device=device)
-    if world == 1:
+    if opts.vocab_size == logits.shape[-1]:  # one shard holds the whole vocabulary
         lse = torch.empty(n, dtype=torch.float32, device=device)
         if n > 0:
-            _backend(logits).forward(view, t, loss=loss, lse=lse, **opts)
-        return view, loss, lse, opts
+            _backend(logits).forward(view, t, opts, None, loss, lse)
+        return view, loss, lse
     # the stats and the lse in one allocation: the lse is saved, the stats are gathered
     buf = torch.empty((5, n), dtype=torch.float32, device=device)
     stats, lse = buf[:4], buf[4]
     if n > 0:
         backend = _backend(logits)
-        backend.forward(view, t, stats=stats, **opts)
+        backend.forward(view, t, opts, stats)
         gathered = distributed.gather_stats(stats, group)
-        backend.merge(gathered, t, loss, lse,
-                      **{k: v for k, v in opts.items() if k != "vocab_start"})
-    return view, loss, lse, opts
+        backend.merge(gathered, t, loss, lse, opts)
+    return view, loss, lse
 
 
 def backward_impl(view, t, lse, dloss, count, opts, inplace):
@@ -66,7 +70,7 @@ def backward_impl(view, t, lse, dloss, count, opts, inplace):
         dloss = dloss.reshape(-1)
     dview = view if inplace else like_rows(view)
     if t.numel() > 0:
-        _backend(view.tensor).backward(view, dview, t, lse, dloss, count, **opts)
+        _backend(view.tensor).backward(view, dview, t, lse, dloss, count, opts)
     if inplace:
         # the logits now hold their gradient: make any later use of them fail loudly
         torch.autograd.graph.increment_version(view.tensor)
@@ -89,12 +93,11 @@ def _loss_forward(ctx, logits, target, cfg):
     """The forward of ``_VocabParallelCrossEntropy``; ``ctx`` is None when no gradient is needed."""
     one_dim = target.dim() == 1  # the flat targets and the loss need no reshaping
     t = target if one_dim else target.reshape(-1)
-    ignore_index = cfg.ignore_index
-    view, loss, lse, opts = forward_impl(logits, t, cfg.group, ignore_index, cfg.smoothing,
-                                         cfg.z_loss)
+    opts = loss_options(cfg.group, logits.shape[-1], cfg.ignore_index, cfg.smoothing, cfg.z_loss)
+    view, loss, lse = forward_impl(logits, t, cfg.group, opts)
     out = count = None
     if cfg.reduction != "none":
-        out, count = _backend(logits).reduce(loss, t, ignore_index, cfg.reduction == "mean")
+        out, count = _backend(logits).reduce(loss, t, cfg.ignore_index, cfg.reduction == "mean")
     if ctx is not None:
         # view.tensor is the logits themselves except for layouts that needed a copy
         ctx.save_for_backward(view.tensor, t, lse, count)
@@ -117,6 +120,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, ctx.opts,
                              ctx.inplace_backward)
         return grad, None, None
+
+
+try:
+    # the C apply that Function.apply ends in: skips its Python prologue (argument binding for
+    # setup_context, which this Function does not define, and functorch's unwrapping), ~1-2 us
+    _apply_no_functorch = super(torch.autograd.Function, _VocabParallelCrossEntropy).apply
+    _functorch_active = torch._C._are_functorch_transforms_active
+except AttributeError:  # pragma: no cover - another torch: the public apply only
+    _apply_no_functorch = _functorch_active = None
 
 
 def cross_entropy(
@@ -166,6 +178,8 @@ def cross_entropy(
         return ops.cross_entropy(logits, target, *cfg)
     if not logits.requires_grad:  # no graph to record: skip the autograd Function's cost
         return _loss_forward(None, logits, target, cfg)
+    if _apply_no_functorch is not None and not _functorch_active():
+        return _apply_no_functorch(logits, target, cfg)
     return _VocabParallelCrossEntropy.apply(logits, target, cfg)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from . import distributed
 from ._layout import row_view
-from .cross_entropy import backward_impl, forward_impl
+from .cross_entropy import backward_impl, forward_impl, loss_options
 
 _NS = "vocab_parallel_loss"
 
@@ -22,8 +22,9 @@ _NS = "vocab_parallel_loss"
 @torch.library.custom_op(f"{_NS}::ce_forward", mutates_args=())
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_index: int,
                smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    _, loss, lse, _ = forward_impl(logits, target.reshape(-1), distributed.group_from_key(group),
-                                   ignore_index, smoothing, z_loss)
+    g = distributed.group_from_key(group)
+    opts = loss_options(g, logits.shape[-1], ignore_index, smoothing, z_loss)
+    _, loss, lse = forward_impl(logits, target.reshape(-1), g, opts)
     return loss, lse
 
 
@@ -33,18 +34,12 @@ def _(logits, target, group, ignore_index, smoothing, z_loss):
     return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32))
 
 
-def _opts(logits, group, ignore_index, smoothing, z_loss):
-    g = distributed.group_from_key(group)
-    v_local = logits.shape[-1]
-    return dict(vocab_size=v_local * distributed.world_size(g), ignore_index=ignore_index,
-                smoothing=smoothing, z_loss=z_loss, vocab_start=distributed.rank(g) * v_local)
-
-
 @torch.library.custom_op(f"{_NS}::ce_backward", mutates_args=())
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                 dloss: torch.Tensor, group: str, ignore_index: int, smoothing: float,
                 z_loss: float) -> torch.Tensor:
-    opts = _opts(logits, group, ignore_index, smoothing, z_loss)
+    opts = loss_options(distributed.group_from_key(group), logits.shape[-1], ignore_index,
+                        smoothing, z_loss)
     return backward_impl(row_view(logits), target.reshape(-1), lse, dloss, None, opts, False)
 
 

@@ -62,9 +62,9 @@ def _local_stats(rows, t, vocab_start, smoothing):
     return m, s, x_t, sum_x
 
 
-def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z_loss,
-            stats=None, loss=None, lse=None):
+def forward(view, target, opts, stats=None, loss=None, lse=None):
     """Same contract as ``kernels.cross_entropy.forward``."""
+    vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     t = target.long()
     for lo, hi, block in _blocks(view):
         rows = block.reshape(-1, block.shape[-1])
@@ -77,7 +77,8 @@ def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z
             stats[:, lo:hi] = torch.stack([m, s, x_t, sum_x])
 
 
-def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z_loss):
+def merge(gathered, target, loss, lse, opts):
+    _, vocab_size, ignore_index, smoothing, z_loss = opts
     m_r, s_r, x_t, sum_x = gathered.unbind(1)
     m = m_r.amax(dim=0)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
@@ -97,9 +98,9 @@ def reduce(loss, target, ignore_index, mean):
     return loss.sum() / count.clamp(min=1), count
 
 
-def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size, ignore_index,
-             smoothing, z_loss):
+def backward(view, dview, target, lse, dloss, count, opts):
     """Same contract as ``kernels.cross_entropy.backward``."""
+    vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     n, v = target.numel(), view.vocab
     t = target.long()
     g = dloss.float().expand(n) if dloss.dim() == 0 else dloss.float()

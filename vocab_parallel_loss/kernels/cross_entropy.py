@@ -248,32 +248,34 @@ def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4)
 
 
-def forward(view, target, *, vocab_start, vocab_size, ignore_index, smoothing, z_loss,
-            stats=None, loss=None, lse=None):
+def forward(view, target, opts, stats=None, loss=None, lse=None):
     """Per-row statistics into ``stats`` (4, N), or, when ``stats`` is None, loss and lse directly.
 
-    ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets.
+    ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets, ``opts`` the
+    ``LossOptions``.
     """
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     finalize = stats is None
+    vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     launch(
         _ce_forward_kernel, (n,),
         x, target, loss if finalize else stats, loss, lse,
         n, v_local, view.D1, view.s0, view.s1, target.stride(0),
-        vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
+        vocab_start, vocab_size, ignore_index, smoothing, z_loss,
         FINALIZE=finalize, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
         **forward_config(v_local, x.dtype),
     )
 
 
-def merge(gathered, target, loss, lse, *, vocab_size, ignore_index, smoothing, z_loss):
+def merge(gathered, target, loss, lse, opts):
     world, _, n = gathered.shape
+    _, vocab_size, ignore_index, smoothing, z_loss = opts
     block_n = 128
     launch(
         _ce_merge_kernel, (-(-n // block_n),),
         gathered, target, loss, lse, n, world, target.stride(0), vocab_size, ignore_index,
-        float(smoothing), float(z_loss), HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
+        smoothing, z_loss, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
         BLOCK_N=block_n, BLOCK_W=max(2, 1 << (world - 1).bit_length()), num_warps=4,
     )
 
@@ -298,8 +300,7 @@ def reduce(loss, target, ignore_index, mean):
     return out, count
 
 
-def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size, ignore_index,
-             smoothing, z_loss):
+def backward(view, dview, target, lse, dloss, count, opts):
     """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
 
     ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
@@ -307,12 +308,13 @@ def backward(view, dview, target, lse, dloss, count, *, vocab_start, vocab_size,
     """
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
+    vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     launch(
         _ce_backward_kernel, (n,),
         x, dview.tensor, target, lse, dloss, count if count is not None else lse,
         v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
         dloss.stride(0) if dloss.dim() else 0,
-        vocab_start, vocab_size, ignore_index, float(smoothing), float(z_loss),
+        vocab_start, vocab_size, ignore_index, smoothing, z_loss,
         MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
         **backward_config(v_local, x.dtype),
     )
