@@ -43,67 +43,107 @@ def loss_options(group, v_local, ignore_index, smoothing, z_loss) -> LossOptions
     return LossOptions(rank * v_local, v_local * world, ignore_index, smoothing, z_loss)
 
 
-def forward_impl(logits, t, group, opts):
-    """Per-token fp32 loss and lse of flat targets ``t``; returns (view, loss, lse)."""
-    view = row_view(logits)
+def forward_impl(view, t, group, opts, memo=None):
+    """Per-token fp32 loss and lse of flat targets ``t`` from the ``RowView`` of the logits."""
+    logits = view.tensor
     n, device = t.numel(), logits.device
     loss = torch.empty(n, dtype=torch.float32, device=device)
     if opts.vocab_size == logits.shape[-1]:  # one shard holds the whole vocabulary
         lse = torch.empty(n, dtype=torch.float32, device=device)
         if n > 0:
-            _backend(logits).forward(view, t, opts, None, loss, lse)
-        return view, loss, lse
+            _backend(logits).forward(view, t, opts, None, loss, lse, memo)
+        return loss, lse
     # the stats and the lse in one allocation: the lse is saved, the stats are gathered
     buf = torch.empty((5, n), dtype=torch.float32, device=device)
     stats, lse = buf[:4], buf[4]
     if n > 0:
         backend = _backend(logits)
-        backend.forward(view, t, opts, stats)
+        backend.forward(view, t, opts, stats, None, None, memo)
         gathered = distributed.gather_stats(stats, group)
         backend.merge(gathered, t, loss, lse, opts)
-    return view, loss, lse
+    return loss, lse
 
 
-def backward_impl(view, t, lse, dloss, count, opts, inplace):
+def backward_impl(view, t, lse, dloss, count, opts, inplace, memo=None):
     """The logits gradient: a new tensor, or written over ``view.tensor`` when ``inplace``."""
     if dloss.dim() > 1:
         dloss = dloss.reshape(-1)
     dview = view if inplace else like_rows(view)
     if t.numel() > 0:
-        _backend(view.tensor).backward(view, dview, t, lse, dloss, count, opts)
+        _backend(view.tensor).backward(view, dview, t, lse, dloss, count, opts, memo)
     if inplace:
         # the logits now hold their gradient: make any later use of them fail loudly
         torch.autograd.graph.increment_version(view.tensor)
     return dview.tensor
 
 
-class _Config(NamedTuple):
-    """The non-tensor arguments of the autograd Function, as one argument (apply's cost grows
-    with the number of arguments)."""
+class _Plan(NamedTuple):
+    """What the argument checks of one call signature established, for every later call with it.
+
+    A signature is the logits' shape, strides, dtype and device, the target's shape, dtype and
+    device, and the options; a call that matches one skips the checks and the layout analysis
+    (~2-3 us of host time), and its kernels repeat their remembered launches (``memo``).
+    """
 
     group: object
-    ignore_index: int
-    smoothing: float
-    z_loss: float
+    opts: LossOptions
     reduction: str
     inplace_backward: bool
+    rows: Optional[tuple]  # (D1, s0, s1) when the logits are read in place, else None
+    memo: dict  # launches remembered by the kernels (kernels/_launch.launch_memo)
 
 
-def _loss_forward(ctx, logits, target, cfg):
+_plans: dict = {}
+_MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
+
+
+def _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss):
+    _checks.check_float("logits", logits)
+    _checks.check_target_dtype(target)
+    _checks.check_smoothing(label_smoothing)
+    _checks.check_reduction(reduction)
+    shape = logits.shape
+    if not shape or shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(shape)}")
+    if target.shape != shape[:-1]:
+        _checks.check_leading_shape("leading dims of logits", shape[:-1], target)
+    if target.device != logits.device:
+        _checks.check_same_device(logits=logits, target=target)
+    if float(z_loss) < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+
+
+def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
+               inplace_backward) -> tuple:
+    """Check the arguments; returns ``(plan, reusable)``."""
+    _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss)
+    verified = True
+    if tp_group is not None:  # no group: one shard, nothing to check
+        verified = distributed.check_equal_shards(logits.shape[-1], tp_group, logits.device)
+    opts = loss_options(tp_group, logits.shape[-1], int(ignore_index), float(label_smoothing),
+                        float(z_loss))
+    view = row_view(logits)
+    rows = (view.D1, view.s0, view.s1) if view.tensor is logits else None
+    plan = _Plan(tp_group, opts, reduction, bool(inplace_backward), rows, {})
+    return plan, verified
+
+
+def _loss_forward(ctx, logits, target, plan):
     """The forward of ``_VocabParallelCrossEntropy``; ``ctx`` is None when no gradient is needed."""
     one_dim = target.dim() == 1  # the flat targets and the loss need no reshaping
     t = target if one_dim else target.reshape(-1)
-    opts = loss_options(cfg.group, logits.shape[-1], cfg.ignore_index, cfg.smoothing, cfg.z_loss)
-    view, loss, lse = forward_impl(logits, t, cfg.group, opts)
+    view = row_view(logits) if plan.rows is None else RowView(logits, *plan.rows)
+    opts = plan.opts
+    loss, lse = forward_impl(view, t, plan.group, opts, plan.memo)
     out = count = None
-    if cfg.reduction != "none":
-        out, count = _backend(logits).reduce(loss, t, cfg.ignore_index, cfg.reduction == "mean")
+    if plan.reduction != "none":
+        out, count = _backend(logits).reduce(loss, t, opts.ignore_index, plan.reduction == "mean",
+                                             plan.memo)
     if ctx is not None:
         # view.tensor is the logits themselves except for layouts that needed a copy
         ctx.save_for_backward(view.tensor, t, lse, count)
         ctx.rows = (view.D1, view.s0, view.s1)
-        ctx.opts = opts
-        ctx.inplace_backward = cfg.inplace_backward
+        ctx.plan = plan
     if out is None:
         return loss if one_dim else loss.view(target.shape)
     return out
@@ -111,14 +151,15 @@ def _loss_forward(ctx, logits, target, cfg):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, cfg):
-        return _loss_forward(ctx, logits, target, cfg)
+    def forward(ctx, logits, target, plan):
+        return _loss_forward(ctx, logits, target, plan)
 
     @staticmethod
     def backward(ctx, dloss):
         logits, t, lse, count = ctx.saved_tensors
-        grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, ctx.opts,
-                             ctx.inplace_backward)
+        plan = ctx.plan
+        grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, plan.opts,
+                             plan.inplace_backward, plan.memo)
         return grad, None, None
 
 
@@ -152,35 +193,34 @@ def cross_entropy(
     gives a NaN loss for that token (``check_targets=True`` or the environment variable
     ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1`` raises instead, at the cost of a host sync).
     """
-    _checks.check_float("logits", logits)
-    _checks.check_target_dtype(target)
-    _checks.check_smoothing(label_smoothing)
-    _checks.check_reduction(reduction)
-    shape = logits.shape
-    if not shape or shape[-1] < 1:
-        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(shape)}")
-    if target.shape != shape[:-1]:
-        _checks.check_leading_shape("leading dims of logits", shape[:-1], target)
-    if target.device != logits.device:
-        _checks.check_same_device(logits=logits, target=target)
-    if float(z_loss) < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if tp_group is not None:  # no group: one shard, nothing to check
-        distributed.check_equal_shards(shape[-1], tp_group, logits.device)
-    if _checks.targets_check_requested(check_targets):
-        _checks.check_target_range(target, shape[-1] * distributed.world_size(tp_group),
-                                   ignore_index)
-    cfg = _Config(tp_group, int(ignore_index), float(label_smoothing), float(z_loss), reduction,
-                  bool(inplace_backward))
     if compiling():
         from . import ops  # registered torch.library ops: traced by torch.compile, no graph break
 
-        return ops.cross_entropy(logits, target, *cfg)
+        _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss)
+        if tp_group is not None:
+            distributed.check_equal_shards(logits.shape[-1], tp_group, logits.device)
+        return ops.cross_entropy(logits, target, tp_group, int(ignore_index),
+                                 float(label_smoothing), float(z_loss), reduction,
+                                 bool(inplace_backward))
+    try:
+        key = (logits.shape, logits.stride(), logits.dtype, logits.device, target.shape,
+               target.dtype, target.device, tp_group, label_smoothing, ignore_index, reduction,
+               z_loss, inplace_backward)
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable option: no plan is kept
+        key = plan = None
+    if plan is None:
+        plan, reusable = _make_plan(logits, target, tp_group, label_smoothing, ignore_index,
+                                    reduction, z_loss, inplace_backward)
+        if key is not None and reusable and len(_plans) < _MAX_PLANS:
+            _plans[key] = plan
+    if _checks.targets_check_requested(check_targets):
+        _checks.check_target_range(target, plan.opts.vocab_size, plan.opts.ignore_index)
     if not logits.requires_grad:  # no graph to record: skip the autograd Function's cost
-        return _loss_forward(None, logits, target, cfg)
+        return _loss_forward(None, logits, target, plan)
     if _apply_no_functorch is not None and not _functorch_active():
-        return _apply_no_functorch(logits, target, cfg)
-    return _VocabParallelCrossEntropy.apply(logits, target, cfg)
+        return _apply_no_functorch(logits, target, plan)
+    return _VocabParallelCrossEntropy.apply(logits, target, plan)
 
 
 def parallel_cross_entropy(

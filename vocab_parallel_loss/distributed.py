@@ -65,19 +65,22 @@ def group_from_key(key: str) -> ProcessGroup:
     return group
 
 
-def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.device) -> None:
+def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.device) -> bool:
     """Raise ``ValueError`` unless every rank of ``group`` holds ``local_size`` vocabulary columns.
 
     Unequal shards would silently give a wrong global vocabulary offset. The check costs one tiny
     all-gather and a host read, so it runs once per (group, size) and never while a CUDA graph is
-    being captured (a capture must be preceded by an eager warm-up step, which runs it).
+    being captured (a capture must be preceded by an eager warm-up step, which runs it). Returns
+    whether the shards are known to be equal (False: the check was skipped this time).
     """
     n = world_size(group)
     if n == 1:
-        return
+        return True
     key = (id(group), local_size)
-    if key in _checked_shards or capturing() or compiling():
-        return
+    if key in _checked_shards:
+        return True
+    if capturing() or compiling():
+        return False
     mine = torch.tensor([local_size], dtype=torch.int64, device=device)
     sizes = torch.empty(n, dtype=torch.int64, device=device)
     _all_gather(sizes, mine, group=group)
@@ -88,6 +91,7 @@ def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.devic
             "every rank must hold the same number of vocabulary columns (pad the vocabulary)"
         )
     _checked_shards.add(key)
+    return True
 
 
 def gather_stats(stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:

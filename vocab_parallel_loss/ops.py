@@ -24,8 +24,7 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_in
                smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
     g = distributed.group_from_key(group)
     opts = loss_options(g, logits.shape[-1], ignore_index, smoothing, z_loss)
-    _, loss, lse = forward_impl(logits, target.reshape(-1), g, opts)
-    return loss, lse
+    return forward_impl(row_view(logits), target.reshape(-1), g, opts)
 
 
 @ce_forward.register_fake

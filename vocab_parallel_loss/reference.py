@@ -62,7 +62,7 @@ def _local_stats(rows, t, vocab_start, smoothing):
     return m, s, x_t, sum_x
 
 
-def forward(view, target, opts, stats=None, loss=None, lse=None):
+def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
     """Same contract as ``kernels.cross_entropy.forward``."""
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     t = target.long()
@@ -90,7 +90,7 @@ def merge(gathered, target, loss, lse, opts):
     lse.copy_(e)
 
 
-def reduce(loss, target, ignore_index, mean):
+def reduce(loss, target, ignore_index, mean, memo=None):
     """Same contract as the Triton backend's ``reduce``."""
     if not mean:
         return loss.sum(), None
@@ -98,7 +98,7 @@ def reduce(loss, target, ignore_index, mean):
     return loss.sum() / count.clamp(min=1), count
 
 
-def backward(view, dview, target, lse, dloss, count, opts):
+def backward(view, dview, target, lse, dloss, count, opts, memo=None):
     """Same contract as ``kernels.cross_entropy.backward``."""
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     n, v = target.numel(), view.vocab

@@ -106,3 +106,67 @@ def test_reduction_paths_agree_with_fp64(one_program_max, reduction, monkeypatch
     (g1,) = torch.autograd.grad(got, x)
     (g2,) = torch.autograd.grad(want, xd)
     torch.testing.assert_close(g1.double(), g2, rtol=1e-5, atol=1e-7)
+
+
+class _Param:
+    def __init__(self, name, constexpr=False):
+        self.name, self.is_constexpr, self.has_default, self.default = name, constexpr, False, None
+
+
+class _FakeKernel:
+    """Stands in for a JITFunction: ``kernel[grid](...)`` "compiles" and records the launch."""
+
+    params = [_Param("x"), _Param("n"), _Param("BLOCK", constexpr=True)]
+
+    def __init__(self):
+        self.compiles, self.runs = [], []
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **kwargs):
+            self.compiles.append((args[1], kwargs["BLOCK"]))
+            kernel = self
+
+            class Compiled:
+                function, packed_metadata = f"fn-{len(self.compiles)}", "meta"
+
+                @staticmethod
+                def run(g0, g1, g2, stream, function, metadata, *rest):
+                    kernel.runs.append((function, rest[3:]))
+
+            return Compiled
+        return compile_and_launch
+
+
+def test_launch_memo_repeats_only_identical_launches(monkeypatch):
+    """A remembered launch is repeated only for the same scalars, dtypes and alignment, and
+    then without building the keywords again (kernels stubbed; the GPU test checks the bits)."""
+    kernel = _FakeKernel()
+    monkeypatch.setattr(_launch, "_enabled", True)
+    monkeypatch.setattr(_launch, "_JITFunction", _FakeKernel)
+    monkeypatch.setattr(_launch, "_driver", (lambda: 0, lambda device: 7))
+    monkeypatch.setattr(_launch, "_hook_owners", ())
+    monkeypatch.setattr(_launch, "_knobs_runtime", None)
+    monkeypatch.setattr(_launch, "_caches", {})
+    made = []
+
+    def kwargs(block=16):
+        made.append(block)
+        return {"BLOCK": block}
+
+    memo, x = {}, torch.empty(64)
+    _launch.launch_memo(memo, "s", kernel, (4,), (x, 5), kwargs)  # compiled, through "Triton"
+    assert len(kernel.compiles) == 1 and "s" not in memo
+    _launch.launch_memo(memo, "s", kernel, (4,), (x, 5), kwargs)  # the key's fast path
+    assert kernel.runs[-1] == ("fn-1", (x, 5, 16)) and "s" in memo and len(made) == 2
+    _launch.launch_memo(memo, "s", kernel, (4,), (x, 5), kwargs)  # the memo: no keywords built
+    assert kernel.runs[-1] == ("fn-1", (x, 5, 16)) and len(made) == 2 and len(kernel.runs) == 2
+    # another scalar, a misaligned pointer, another dtype: each misses the memo, and each
+    # new specialization compiles once
+    for args in ((x, 6), (x[1:], 5), (x.double(), 5)):
+        _launch.launch_memo(memo, "s", kernel, (4,), args, kwargs)
+    assert len(made) == 5 and len(kernel.compiles) == 3  # 6 shares 5's key; x[1:], double don't
+    assert [r[1][1] for r in kernel.runs] == [5, 5, 6]
+    # a launch hook set by a profiler: the memo steps aside too
+    monkeypatch.setattr(_launch, "_hooks_set", lambda k: True)
+    _launch.launch_memo(memo, "s", kernel, (4,), (x, 5), kwargs)
+    assert len(made) == 6 and len(kernel.compiles) == 4

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+from typing import NamedTuple
 
 import torch
 import triton
@@ -61,12 +62,76 @@ def set_enabled(on: bool) -> None:
 
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``; returns nothing."""
+    _launch(kernel, grid, args, kwargs)
+
+
+class Bound(NamedTuple):
+    """One fast launch, remembered so that a call with the same scalars can repeat it without
+    building the key (see ``launch_memo``)."""
+
+    kernel: object
+    entry: tuple  # the cache entry: (run, function, packed_metadata, tail, compiled)
+    device: int
+    n_tensors: int  # the leading positional arguments that are tensors
+    tensor_key: tuple  # their (dtype, 16-byte aligned) pairs
+    scalars: tuple  # the positional arguments after them, by value
+
+
+def launch_memo(memo, slot, kernel, grid, args, make_kwargs):
+    """``kernel[grid](*args, **make_kwargs())``, repeating the launch remembered in ``memo[slot]``.
+
+    ``memo`` is a dict owned by the caller (the loss keeps one per cached call plan). A
+    remembered launch is repeated only when the device, the positional scalars (by value), and
+    the dtype and alignment of every tensor are those it was made with; ``make_kwargs`` must then
+    give the same keywords, which holds when they are a function of ``slot``, those scalars and
+    those dtypes. Otherwise this is ``launch``, and the memo is refreshed.
+    """
+    bound = memo.get(slot)
+    if bound is not None and _enabled and _relaunch(bound, grid, args):
+        return
+    kwargs = make_kwargs()
+    found = _launch(kernel, grid, args, kwargs)
+    if found is not None:
+        entry, device = found
+        n = 0
+        while n < len(args) and isinstance(args[n], torch.Tensor):
+            n += 1
+        scalars = args[n:]
+        if all(a.__class__ in (int, float, bool) for a in scalars):
+            memo[slot] = Bound(kernel, entry, device, n,
+                                 tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args[:n]),
+                                 scalars)
+
+
+def _relaunch(bound, grid, args) -> bool:
+    n = bound.n_tensors
+    if args[n:] != bound.scalars or _hooks_set(bound.kernel):
+        return False
+    device = _driver[0]()
+    if device != bound.device:
+        return False
+    i = 0
+    for dtype, aligned in bound.tensor_key:
+        a = args[i]
+        if a.dtype != dtype or (a.data_ptr() % 16 == 0) != aligned:
+            return False
+        i += 1
+    counts["fast"] += 1
+    run, function, metadata, tail, _ = bound.entry
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *args, *tail)
+    return True
+
+
+def _launch(kernel, grid, args, kwargs):
+    """The launch; returns ``(cache entry, device)`` when it went through the fast path."""
     if _enabled is None:
         _decide()
     if not _enabled or type(kernel) is not _JITFunction or _hooks_set(kernel):
         counts["triton"] += 1
         kernel[grid](*args, **kwargs)
-        return
+        return None
     try:
         device = _driver[0]()
         key = (device, _args_key(args), *kwargs.items())
@@ -82,13 +147,14 @@ def launch(kernel, grid, *args, **kwargs):
                 _remember(kernel, key, compiled, len(args), kwargs)
             except Exception:  # not cached: this key keeps going through Triton
                 pass
-        return
+        return None
     counts["fast"] += 1
     run, function, metadata, tail, _ = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
     # no hook is set (checked above): no launch metadata, no hooks, as JITFunction.run would
     run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *args, *tail)
+    return entry, device
 
 
 def _args_key(args):

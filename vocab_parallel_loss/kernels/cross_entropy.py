@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch
+from ._launch import launch, launch_memo
 
 # In the kernels, 1.4426950408889634 is log2(e) and 0.6931471805599453 is ln(2): written as
 # literals because plain module-level floats are not visible inside @triton.jit on every version.
@@ -248,24 +248,28 @@ def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4)
 
 
-def forward(view, target, opts, stats=None, loss=None, lse=None):
+def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
     """Per-row statistics into ``stats`` (4, N), or, when ``stats`` is None, loss and lse directly.
 
     ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets, ``opts`` the
-    ``LossOptions``.
+    ``LossOptions``; ``memo`` (a dict, or None) remembers the launch for the next call with the
+    same shapes (``_launch.launch_memo``).
     """
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     finalize = stats is None
-    vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
-    launch(
-        _ce_forward_kernel, (n,),
-        x, target, loss if finalize else stats, loss, lse,
-        n, v_local, view.D1, view.s0, view.s1, target.stride(0),
-        vocab_start, vocab_size, ignore_index, smoothing, z_loss,
-        FINALIZE=finalize, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        **forward_config(v_local, x.dtype),
-    )
+    out = loss if finalize else stats  # unused pointers get a real tensor: None has no key
+    args = (x, target, out, out if finalize else stats, lse if finalize else stats,
+            n, v_local, view.D1, view.s0, view.s1, target.stride(0), *opts)
+
+    def kwargs():  # a function of the slot, v_local, the dtype and opts: see launch_memo
+        return dict(FINALIZE=finalize, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
+                    **forward_config(v_local, x.dtype))
+
+    if memo is None:
+        launch(_ce_forward_kernel, (n,), *args, **kwargs())
+    else:
+        launch_memo(memo, ("forward", finalize), _ce_forward_kernel, (n,), args, kwargs)
 
 
 def merge(gathered, target, loss, lse, opts):
@@ -286,7 +290,7 @@ def merge(gathered, target, loss, lse, opts):
 REDUCE_ONE_PROGRAM_MAX = 16384
 
 
-def reduce(loss, target, ignore_index, mean):
+def reduce(loss, target, ignore_index, mean, memo=None):
     """``(total, count)``: fp32 scalars sum or mean of ``loss`` (N,), and for ``mean`` the int64
     count of non-ignored targets (None otherwise)."""
     if loss.numel() > REDUCE_ONE_PROGRAM_MAX:
@@ -295,12 +299,20 @@ def reduce(loss, target, ignore_index, mean):
         return reference.reduce(loss, target, ignore_index, mean)
     out = torch.empty((), dtype=torch.float32, device=loss.device)
     count = torch.empty((), dtype=torch.int64, device=loss.device) if mean else None
-    launch(_ce_reduce_kernel, (1,), loss, target, out, count if mean else out, loss.numel(),
-           target.stride(0), ignore_index, MEAN=mean, BLOCK=4096, num_warps=16)
+    args = (loss, target, out, count if mean else out, loss.numel(), target.stride(0),
+            ignore_index)
+
+    def kwargs():
+        return dict(MEAN=mean, BLOCK=4096, num_warps=16)
+
+    if memo is None:
+        launch(_ce_reduce_kernel, (1,), *args, **kwargs())
+    else:
+        launch_memo(memo, ("reduce", mean), _ce_reduce_kernel, (1,), args, kwargs)
     return out, count
 
 
-def backward(view, dview, target, lse, dloss, count, opts):
+def backward(view, dview, target, lse, dloss, count, opts, memo=None):
     """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
 
     ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
@@ -308,13 +320,16 @@ def backward(view, dview, target, lse, dloss, count, opts):
     """
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
-    vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
-    launch(
-        _ce_backward_kernel, (n,),
-        x, dview.tensor, target, lse, dloss, count if count is not None else lse,
-        v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
-        dloss.stride(0) if dloss.dim() else 0,
-        vocab_start, vocab_size, ignore_index, smoothing, z_loss,
-        MEAN=count is not None, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
-        **backward_config(v_local, x.dtype),
-    )
+    mean = count is not None
+    args = (x, dview.tensor, target, lse, dloss, count if mean else lse,
+            v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
+            dloss.stride(0) if dloss.dim() else 0, *opts)
+
+    def kwargs():
+        return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
+                    **backward_config(v_local, x.dtype))
+
+    if memo is None:
+        launch(_ce_backward_kernel, (n,), *args, **kwargs())
+    else:
+        launch_memo(memo, ("backward", mean), _ce_backward_kernel, (n,), args, kwargs)
