@@ -598,11 +598,15 @@ def measure_collective(env: Env, n: int) -> dict:
 
 # ------------------------------------------------------------------------------------- output
 def _commit() -> Optional[str]:
+    # an explicit commit first: a copied tree (the GPU machine's) may hold a stale .git
+    named = os.environ.get("BENCH_COMMIT") or os.environ.get("GIT_COMMIT")
+    if named:
+        return named
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True, timeout=10).stdout.strip()
     except Exception:
-        return os.environ.get("BENCH_COMMIT") or os.environ.get("GIT_COMMIT")
+        return None
 
 
 def _source_hash() -> str:
