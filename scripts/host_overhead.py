@@ -1,6 +1,10 @@
 """Where the host time of one forward goes (CUDA): allocation, kernel launch, Python layers.
 
-    python scripts/host_overhead.py
+    python scripts/host_overhead.py [--import megatron.core,liger_kernel.transformers,...]
+
+``--import`` imports those modules first (what a training process has loaded): the figures then
+show whether any of them slows the path down (a Triton launch hook, say, turns the fast launch
+off), and the Triton hooks found set are printed.
 
 Each figure is the mean CPU time per call over many calls on a tiny input (the GPU work is
 negligible, so this is the launch-bound cost a small model or a short sequence pays), with the
@@ -32,7 +36,28 @@ def per_call_us(fn, n=2000) -> float:
     return us
 
 
+def _import_first() -> None:
+    import importlib
+    import sys
+
+    if "--import" not in sys.argv:
+        return
+    for name in sys.argv[sys.argv.index("--import") + 1].split(","):
+        try:
+            importlib.import_module(name)
+            print(f"imported {name}")
+        except Exception as e:  # a peer that is not installed: say so and go on
+            print(f"not imported {name}: {type(e).__name__}: {e}")
+    from triton import knobs
+
+    rt = knobs.runtime
+    for hook in ("launch_enter_hook", "launch_exit_hook"):
+        h = getattr(rt, hook, None)
+        print(f"triton {hook}: {getattr(h, 'calls', h)}")
+
+
 def main() -> None:
+    _import_first()
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     t = torch.randint(0, 128, (8,), device="cuda")
     loss = torch.empty(8, device="cuda")
