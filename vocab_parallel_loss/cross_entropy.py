@@ -97,7 +97,7 @@ _plans: dict = {}
 _MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
 
 
-def _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss):
+def _check_args(logits, target, label_smoothing, reduction, z_loss):
     _checks.check_float("logits", logits)
     _checks.check_target_dtype(target)
     _checks.check_smoothing(label_smoothing)
@@ -116,7 +116,7 @@ def _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss):
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
                inplace_backward) -> tuple:
     """Check the arguments; returns ``(plan, reusable)``."""
-    _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss)
+    _check_args(logits, target, label_smoothing, reduction, z_loss)
     verified = True
     if tp_group is not None:  # no group: one shard, nothing to check
         verified = distributed.check_equal_shards(logits.shape[-1], tp_group, logits.device)
@@ -196,7 +196,7 @@ def cross_entropy(
     if compiling():
         from . import ops  # registered torch.library ops: traced by torch.compile, no graph break
 
-        _check_args(logits, target, tp_group, label_smoothing, reduction, z_loss)
+        _check_args(logits, target, label_smoothing, reduction, z_loss)
         if tp_group is not None:
             distributed.check_equal_shards(logits.shape[-1], tp_group, logits.device)
         return ops.cross_entropy(logits, target, tp_group, int(ignore_index),

@@ -324,3 +324,28 @@ def test_reduced_loss_unit_and_scaled_upstream(impl, reduction, upstream, layout
                                                   z_loss=1e-3)
     torch.testing.assert_close(loss.double(), ref_loss, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=8e-3)
+
+
+def test_cached_call_plans_keep_every_check(impl):
+    """Calls with a signature seen before skip the checks (a cached plan): every call that
+    differs in what the checks look at must still be checked."""
+    ce = importlib.import_module("vocab_parallel_loss.cross_entropy")
+    logits = torch.randn(3, 4, 37)
+    target = torch.randint(0, 37, (3, 4))
+    first = cross_entropy(logits, target, label_smoothing=0.1)
+    plans = len(ce._plans)
+    torch.testing.assert_close(cross_entropy(logits, target, label_smoothing=0.1), first)
+    assert len(ce._plans) == plans  # the second call reused the plan
+    with pytest.raises(TypeError, match="integer"):
+        cross_entropy(logits, target.float(), label_smoothing=0.1)
+    with pytest.raises(ValueError, match="does not match"):
+        cross_entropy(logits, target[:, :3], label_smoothing=0.1)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cross_entropy(logits, target, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="z_loss"):
+        cross_entropy(logits, target, z_loss=-1.0)
+    with pytest.raises(ValueError, match="reduction"):
+        cross_entropy(logits, target, reduction="avg")
+    # a transposed view of the same shape is a new signature, read with its own strides
+    sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.testing.assert_close(cross_entropy(sbv, target, label_smoothing=0.1), first)
