@@ -43,14 +43,14 @@ def _row_start(row, D1, s0, s1):
 
 @triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr):
+               VEC: tl.constexpr, KEEP: tl.constexpr = False):
     """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
     elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
     the reductions over ``VEC`` stay inside a thread: no shared-memory round trip per block, and
     one ``exp2`` per element (plus one per ``VEC`` elements to rescale). Tile rows are merged once,
-    at the end.
+    at the end. ``KEEP`` marks the loads to stay in L2 (the fused kernel reads the row twice).
     """
     # the target logit first: its latency then overlaps the streaming loop instead of
     # trailing it (worth several % on short TP shards). A masked scalar load: a target outside
@@ -65,8 +65,12 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
     for start in range(0, V_local, BLOCK):
         idx = start + offs
         mask = idx < V_local
-        x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
-                    eviction_policy="evict_first").to(tl.float32)
+        if KEEP:  # read again right after (the fused kernel): leave the row in L2
+            x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
+                        eviction_policy="evict_last").to(tl.float32)
+        else:
+            x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
+                        eviction_policy="evict_first").to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, 1))
         # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -187,41 +191,157 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
 
 
 @triton.jit
+def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
+              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
+              EVICT: tl.constexpr):
+    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once.
+
+    ``REVERSE`` walks the row from its end: the fused kernel's second pass then meets first the
+    blocks its first pass read last, the likeliest to be still in L2. ``EVICT``: this is the
+    row's last read, its lines may leave L2 first (measured 1-3% slower in the plain backward).
+    """
+    lse2 = lse * 1.4426950408889634
+    cols = tl.arange(0, BLOCK)
+    n_blocks = tl.cdiv(V_local, BLOCK)
+    for i in range(0, n_blocks):
+        if REVERSE:
+            start = (n_blocks - 1 - i) * BLOCK
+        else:
+            start = i * BLOCK
+        idx = start + cols
+        mask = idx < V_local
+        if EVICT:
+            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first")
+        else:
+            x = tl.load(x_row + idx, mask=mask, other=0.0)
+        p = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
+        dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
+        if HAS_SMOOTHING:
+            dx -= uniform
+        dx = tl.where(valid, dx, 0.0)
+        tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z: tl.constexpr):
+    """(coef, target_coef, uniform) of ``_row_grad`` for upstream gradient ``g``."""
+    coef = g
+    if HAS_Z:
+        coef = g * (1.0 + 2.0 * z_loss * tl.where(valid, lse, 0.0))
+    return coef, g * (1.0 - smoothing), g * smoothing / V_global
+
+
+@triton.jit
 def _ce_backward_kernel(
     x_ptr, dx_ptr, tgt_ptr, lse_ptr, dloss_ptr, count_ptr,
     V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+    UNLESS_UNIT: tl.constexpr = False,
 ):
-    """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once."""
+    """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once.
+
+    ``UNLESS_UNIT``: ``dx`` already holds the gradient for an upstream gradient of 1 (written by
+    ``_ce_forward_grad_kernel``); rows are rewritten only when the scalar upstream gradient is
+    not 1, a test on the device (no host sync).
+    """
     row = tl.program_id(0)
+    g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
+    if UNLESS_UNIT:
+        if g != 1.0:
+            _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0,
+                          s1, d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing,
+                          z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
+    else:
+        _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
+                      d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
+                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
+
+
+@triton.jit
+def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1, d0,
+                  d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
+                  MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
+                  BLOCK: tl.constexpr):
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     dx_row = dx_ptr + _row_start(row, D1, d0, d1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
     valid = t != ignore_index
-    g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
     if MEAN:
         g = g / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
-    lse = tl.load(lse_ptr + row)
-    lse = tl.where(valid, lse, 0.0)
-    coef = g
-    if HAS_Z:
-        coef = g * (1.0 + 2.0 * z_loss * lse)
-    target_coef = g * (1.0 - smoothing)
-    uniform = g * smoothing / V_global
-    t_local = t - vocab_start
-    lse2 = lse * 1.4426950408889634
-    cols = tl.arange(0, BLOCK)
-    for start in range(0, V_local, BLOCK):
-        idx = start + cols
-        mask = idx < V_local
-        x = tl.load(x_row + idx, mask=mask, other=0.0).to(tl.float32)
-        p = tl.exp2(x * 1.4426950408889634 - lse2)
-        dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
-        if HAS_SMOOTHING:
-            dx -= uniform
-        dx = tl.where(valid, dx, 0.0)
-        tl.store(dx_row + idx, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
+    coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
+    _row_grad(x_row, dx_row, V_local, t - vocab_start, lse, coef, target_coef, uniform, valid,
+              HAS_SMOOTHING, BLOCK, False, False)
+
+
+@triton.jit
+def _ce_count_kernel(tgt_ptr, count_ptr, N, tgt_stride, ignore_index, BLOCK: tl.constexpr):
+    """The int64 count of targets that are not ``ignore_index`` (one program, fixed order)."""
+    offs = tl.arange(0, BLOCK)
+    cnt = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, N, BLOCK):
+        idx = start + offs
+        ok = idx < N
+        t = tl.load(tgt_ptr + idx.to(tl.int64) * tgt_stride, mask=ok, other=ignore_index)
+        cnt += (ok & (t != ignore_index)).to(tl.int32)
+    tl.store(count_ptr, tl.sum(cnt, 0).to(tl.int64))
+
+
+@triton.jit
+def _ce_forward_grad_kernel(
+    x_ptr, dx_ptr, tgt_ptr, loss_ptr, lse_ptr, count_ptr,
+    N, V_local, D1, s0, s1, d0, d1, tgt_stride,
+    vocab_start, V_global, ignore_index, smoothing, z_loss,
+    MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
+    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
+):
+    """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
+
+    One shard holds the whole vocabulary. Each row is read twice, the second time (moments
+    later, by the same program) mostly from L2, so HBM sees 2 B read + 2 B written per element
+    against 6 B for the forward-then-backward passes. The grid may be smaller than N (programs
+    then loop over rows), which bounds the rows in flight and so the L2 footprint.
+    """
+    pid, n_prog = tl.program_id(0), tl.num_programs(0)
+    for i in range(0, tl.cdiv(N - pid, n_prog)):
+        row = pid + i * n_prog
+        x_row = x_ptr + _row_start(row, D1, s0, s1)
+        t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
+        t_local = t - vocab_start
+        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, KEEP)
+        lse = m + tl.log2(s) * 0.6931471805599453
+        loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
+                                     z_loss, HAS_SMOOTHING, HAS_Z)
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
+        g = 1.0
+        if MEAN:
+            g = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+        valid = t != ignore_index
+        lse = tl.where(valid, lse, 0.0)
+        coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
+                                                 HAS_Z)
+        _row_grad(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local, lse, coef,
+                  target_coef, uniform, valid, HAS_SMOOTHING, GRAD_BLOCK, REVERSE, KEEP)
+
+
+@triton.jit
+def _ce_scale_grad_kernel(dx_ptr, tgt_ptr, dloss_ptr, V_local, D1, d0, d1, tgt_stride,
+                          ignore_index, BLOCK: tl.constexpr):
+    """dx *= g for a scalar upstream gradient g != 1 (the in-place fused path: the logits are
+    gone, so the gradient is scaled, a second rounding). Ignored rows stay 0."""
+    row = tl.program_id(0)
+    g = tl.load(dloss_ptr).to(tl.float32)
+    t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride)
+    if (g != 1.0) & (t != ignore_index):
+        dx_row = dx_ptr + _row_start(row, D1, d0, d1)
+        cols = tl.arange(0, BLOCK)
+        for start in range(0, V_local, BLOCK):
+            idx = start + cols
+            mask = idx < V_local
+            dx = tl.load(dx_row + idx, mask=mask, other=0.0).to(tl.float32)
+            tl.store(dx_row + idx, (dx * g).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(v_local: int, cap: int) -> int:
@@ -312,11 +432,13 @@ def reduce(loss, target, ignore_index, mean, memo=None):
     return out, count
 
 
-def backward(view, dview, target, lse, dloss, count, opts, memo=None):
+def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_unit=False):
     """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
 
     ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
-    ``count`` (a device scalar) divides it for a mean reduction, or is None.
+    ``count`` (a device scalar) divides it for a mean reduction, or is None. ``unless_unit``:
+    ``dview`` holds the gradient for a unit scalar ``dloss`` already (``forward_grad``); it is
+    rewritten only when ``dloss`` is not 1.
     """
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
@@ -327,9 +449,92 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None):
 
     def kwargs():
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
-                    **backward_config(v_local, x.dtype))
+                    UNLESS_UNIT=unless_unit, **backward_config(v_local, x.dtype))
 
     if memo is None:
         launch(_ce_backward_kernel, (n,), *args, **kwargs())
     else:
-        launch_memo(memo, ("backward", mean), _ce_backward_kernel, (n,), args, kwargs)
+        launch_memo(memo, ("backward", mean, unless_unit), _ce_backward_kernel, (n,), args,
+                    kwargs)
+
+
+# --------------------------------------------------------------- fused path of reduced losses
+#: Rows up to this many columns take the fused forward+gradient kernel for a reduced loss on one
+#: shard (see ``fused_config``); longer rows do not stay in L2 between the two reads.
+FUSED_MAX_V = 32768
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    if device.type != "cuda":  # the interpreter: a small grid, so tests run the row loop
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=256)
+def fused_config(v_local: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid.
+
+    The grid bounds the rows in flight, so that a row is still in L2 when its program reads it
+    the second time: rows in flight x row bytes must stay well under the 50 MB L2.
+    """
+    vec = 16 // dtype.itemsize
+    return dict(BLOCK=max(vec, _block(v_local, 4096)), VEC=vec,
+                GRAD_BLOCK=_block(v_local, 8192), REVERSE=True, KEEP=True, num_warps=16,
+                programs_per_sm=4)
+
+
+def count(target, ignore_index, memo=None):
+    """The int64 device scalar count of targets that are not ``ignore_index``."""
+    n = target.numel()
+    if n > REDUCE_ONE_PROGRAM_MAX * 4:  # one program would stream too long: PyTorch's reduction
+        return (target != ignore_index).sum()
+    out = torch.empty((), dtype=torch.int64, device=target.device)
+    args = (target, out, n, target.stride(0), ignore_index)
+
+    def kwargs():
+        return dict(BLOCK=4096, num_warps=16)
+
+    if memo is None:
+        launch(_ce_count_kernel, (1,), *args, **kwargs())
+    else:
+        launch_memo(memo, ("count",), _ce_count_kernel, (1,), args, kwargs)
+    return out
+
+
+def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=None):
+    """Per-token loss and lse, and into ``dview`` the gradient of the sum (``count`` None) or of
+    the mean over ``count`` tokens, for an upstream gradient of 1: the fused path of a reduced
+    loss when one shard holds the whole vocabulary. ``config`` overrides ``fused_config``."""
+    n, x = target.numel(), view.tensor
+    v_local = x.shape[-1]
+    mean = count is not None
+    cfg = dict(config or fused_config(v_local, x.dtype))
+    per_sm = cfg.pop("programs_per_sm")
+    grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
+    args = (x, dview.tensor, target, loss, lse, count if mean else lse,
+            n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
+
+    def kwargs():
+        return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0, **cfg)
+
+    if memo is None or config is not None:
+        launch(_ce_forward_grad_kernel, grid, *args, **kwargs())
+    else:
+        launch_memo(memo, ("forward_grad", mean), _ce_forward_grad_kernel, grid, args, kwargs)
+
+
+def scale_grad(dview, target, dloss, ignore_index, memo=None):
+    """``dview *= dloss`` (a scalar) unless it is 1, decided on the device."""
+    n, x = target.numel(), dview.tensor
+    v_local = x.shape[-1]
+    args = (x, target, dloss, v_local, dview.D1, dview.s0, dview.s1, target.stride(0),
+            ignore_index)
+
+    def kwargs():
+        return dict(BLOCK=_block(v_local, 8192), num_warps=8)
+
+    if memo is None:
+        launch(_ce_scale_grad_kernel, (n,), *args, **kwargs())
+    else:
+        launch_memo(memo, ("scale_grad",), _ce_scale_grad_kernel, (n,), args, kwargs)
