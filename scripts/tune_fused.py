@@ -39,6 +39,8 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--warps", default="8,16,32")
     ap.add_argument("--per-sm", default="1,2,4,8,0")
+    ap.add_argument("--variants", default="1",
+                    help="1: LEAN+FTZ, 2: also LEAN alone, 3: also the plain second pass")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -70,10 +72,12 @@ def main() -> None:
         results.append(dict(shape=spec, impl="two_pass", ms=ms2, ratio=ms2 / bound_ms))
         vec = 16 // dtype.itemsize
         blocks = [(2048, 4096), (4096, 8192), (8192, 8192)]
+        variants = [dict(LEAN=False, FTZ=False), dict(LEAN=True, FTZ=False),
+                    dict(LEAN=True, FTZ=True)][-int(args.variants):]
         cfgs = [dict(BLOCK=b, VEC=vec, GRAD_BLOCK=gb, REVERSE=True, KEEP=True, num_warps=w,
-                     programs_per_sm=p)
-                for (b, gb), w, p in itertools.product(
-                    blocks, [int(w) for w in args.warps.split(",")],
+                     programs_per_sm=p, **var)
+                for var, (b, gb), w, p in itertools.product(
+                    variants, blocks, [int(w) for w in args.warps.split(",")],
                     [int(p) for p in args.per_sm.split(",")])]
 
         def run(cfg):
@@ -95,12 +99,14 @@ def main() -> None:
             if row and (best is None or row["ms"] < best["ms"]):
                 best = row
         print(f"best {spec}: {best}", flush=True)
-        if best:
-            base = {k: best[k] for k in cfgs[0]}
-            for rev, keep in [(True, False), (False, True), (False, False)]:
-                row = run(dict(base, REVERSE=rev, KEEP=keep))
-                if row:
-                    print(f"  REVERSE={rev} KEEP={keep}: {row['ratio']:.3f}", flush=True)
+        for var in variants:
+            rows = [r for r in results if r["shape"] == spec and r["impl"] == "fused"
+                    and all(r[k] == var[k] for k in var)]
+            if rows:
+                b = min(rows, key=lambda r: r["ms"])
+                print(f"  best {var}: {b['ratio']:.3f} (BLOCK {b['BLOCK']}, GRAD_BLOCK "
+                      f"{b['GRAD_BLOCK']}, warps {b['num_warps']}, per SM {b['programs_per_sm']})",
+                      flush=True)
         x = dview = ref = None
     if args.out:
         with open(args.out, "w") as f:

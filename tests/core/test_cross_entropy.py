@@ -342,9 +342,15 @@ def test_reduced_loss_unit_and_scaled_upstream(impl, reduction, upstream, layout
 
 
 @pytest.mark.parametrize("upstream", [1.0, 0.25])
-def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream):
+@pytest.mark.parametrize("per_sm", [0, 4])
+def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, per_sm):
     if impl != "triton":
         pytest.skip("the fused path is Triton's")
+    kernels = ce_mod._triton_kernels
+    default = kernels.fused_config
+    # per_sm=4: a grid of 8 programs (the interpreter counts 2 multiprocessors) loops over rows
+    monkeypatch.setattr(kernels, "fused_config",
+                        lambda v, d: dict(default(v, d), programs_per_sm=per_sm))
     logits = make_logits((7, 3, 2053), torch.bfloat16, "sbv_transposed").requires_grad_()
     target = make_target((7, 3), 2053)
     saved = []

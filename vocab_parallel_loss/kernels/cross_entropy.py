@@ -42,8 +42,20 @@ def _row_start(row, D1, s0, s1):
 
 
 @triton.jit
+def _exp2(x, FTZ: tl.constexpr):
+    """2**x; ``FTZ``: the single-instruction PTX form that flushes subnormals to 0 (Triton's
+    exp2 adds a subnormal-range fix-up around it). Harmless for a softmax: such terms are far
+    below an fp32 ulp of a sum >= 1. NVIDIA only (the interpreter cannot run PTX)."""
+    if FTZ:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr, KEEP: tl.constexpr = False):
+               VEC: tl.constexpr, KEEP: tl.constexpr = False, FTZ: tl.constexpr = False):
     """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
@@ -74,8 +86,8 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
         m_new = tl.maximum(m, tl.max(x, 1))
         # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
-        s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
+        p = _exp2((x - m_safe[:, None]) * 1.4426950408889634, FTZ)
+        s = s * _exp2((m - m_safe) * 1.4426950408889634, FTZ) + tl.sum(p, 1)
         m = m_new
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
@@ -223,6 +235,49 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 
 
 @triton.jit
+def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
+                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, FTZ: tl.constexpr):
+    """``_row_grad`` for the fused kernel, with fewer instructions per element (that kernel does
+    two passes of arithmetic per 4 B of traffic). Walks the row from its end (the tail block
+    first, then whole blocks without a mask); an ignored row takes a branch that stores zeros;
+    the target column's term is not tested per element but written once at the end, from
+    ``x_t`` (the same value as the column's element), after a barrier orders it behind the
+    row's stores."""
+    lse2 = lse * 1.4426950408889634
+    cols = tl.arange(0, BLOCK)
+    n_full = V_local // BLOCK
+    tail = n_full * BLOCK
+    if valid:
+        if tail < V_local:
+            idx = tail + cols
+            mask = idx < V_local
+            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first")
+            dx = coef * _exp2(x.to(tl.float32) * 1.4426950408889634 - lse2, FTZ)
+            if HAS_SMOOTHING:
+                dx -= uniform
+            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
+        for i in range(0, n_full):
+            idx = (n_full - 1 - i) * BLOCK + cols
+            x = tl.load(x_row + idx, eviction_policy="evict_first")
+            dx = coef * _exp2(x.to(tl.float32) * 1.4426950408889634 - lse2, FTZ)
+            if HAS_SMOOTHING:
+                dx -= uniform
+            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty))
+        in_shard = (t_local >= 0) & (t_local < V_local)
+        tl.debug_barrier()  # every thread's store of the target column is behind this one
+        dx_t = coef * _exp2(x_t * 1.4426950408889634 - lse2, FTZ) - target_coef
+        if HAS_SMOOTHING:
+            dx_t -= uniform
+        tl.store(dx_row + tl.where(in_shard, t_local, 0), dx_t.to(dx_row.dtype.element_ty),
+                 mask=in_shard)
+    else:
+        zero = tl.zeros([BLOCK], dx_row.dtype.element_ty)
+        for start in range(0, V_local, BLOCK):
+            idx = start + cols
+            tl.store(dx_row + idx, zero, mask=idx < V_local)
+
+
+@triton.jit
 def _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z: tl.constexpr):
     """(coef, target_coef, uniform) of ``_row_grad`` for upstream gradient ``g``."""
     coef = g
@@ -295,6 +350,7 @@ def _ce_forward_grad_kernel(
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
     VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
+    LEAN: tl.constexpr = False, FTZ: tl.constexpr = False,
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -309,7 +365,8 @@ def _ce_forward_grad_kernel(
         x_row = x_ptr + _row_start(row, D1, s0, s1)
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
-        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, KEEP)
+        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, KEEP,
+                                      FTZ)
         lse = m + tl.log2(s) * 0.6931471805599453
         loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
                                      z_loss, HAS_SMOOTHING, HAS_Z)
@@ -322,8 +379,13 @@ def _ce_forward_grad_kernel(
         lse = tl.where(valid, lse, 0.0)
         coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
                                                  HAS_Z)
-        _row_grad(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local, lse, coef,
-                  target_coef, uniform, valid, HAS_SMOOTHING, GRAD_BLOCK, REVERSE, KEEP)
+        dx_row = dx_ptr + _row_start(row, D1, d0, d1)
+        if LEAN:
+            _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform,
+                           valid, HAS_SMOOTHING, GRAD_BLOCK, FTZ)
+        else:
+            _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
+                      HAS_SMOOTHING, GRAD_BLOCK, REVERSE, KEEP)
 
 
 @triton.jit
@@ -471,6 +533,11 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _ptx_ok(x: torch.Tensor) -> bool:
+    """Inline PTX runs: an NVIDIA GPU (not the interpreter, not ROCm)."""
+    return x.is_cuda and torch.version.hip is None
+
+
 @functools.lru_cache(maxsize=256)
 def fused_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid.
@@ -481,7 +548,7 @@ def fused_config(v_local: int, dtype: torch.dtype) -> dict:
     vec = 16 // dtype.itemsize
     return dict(BLOCK=max(vec, _block(v_local, 4096)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, 8192), REVERSE=True, KEEP=True, num_warps=16,
-                programs_per_sm=4)
+                programs_per_sm=0, LEAN=True, FTZ=True)
 
 
 def count(target, ignore_index, memo=None):
@@ -511,6 +578,7 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
     mean = count is not None
     cfg = dict(config or fused_config(v_local, x.dtype))
     per_sm = cfg.pop("programs_per_sm")
+    cfg["FTZ"] = cfg.get("FTZ", False) and _ptx_ok(x)
     grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
     args = (x, dview.tensor, target, loss, lse, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
