@@ -37,6 +37,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--shapes", default=None, help="e.g. 16384x16032,65536x16032")
     ap.add_argument("--stages", default=None, help="also sweep num_stages, e.g. 1,2,3,4")
+    ap.add_argument("--fwd-blocks", default="1024,2048,4096")
+    ap.add_argument("--fwd-warps", default="2,4,8")
+    ap.add_argument("--fwd-only", action="store_true")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
@@ -59,10 +62,12 @@ def main() -> None:
             return [dict(c, num_stages=st) if st else c for c in cfgs for st in stages]
 
         fwd_cfgs = with_stages([dict(BLOCK=b, VEC=vec, num_warps=w) for b, vec, w in
-                                itertools.product([1024, 2048, 4096], [8], [2, 4, 8])])
+                                itertools.product([int(b) for b in args.fwd_blocks.split(",")],
+                                                  [8], [int(w) for w in args.fwd_warps.split(",")])])
         bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w) for b, w in
                                 itertools.product([8192, 16384], [4, 8, 16, 32])])
-        for phase, cfgs, bytes_per in [("fwd", fwd_cfgs, 2), ("bwd", bwd_cfgs, 4)]:
+        phases = [("fwd", fwd_cfgs, 2)] + ([] if args.fwd_only else [("bwd", bwd_cfgs, 4)])
+        for phase, cfgs, bytes_per in phases:
             best = None
             for cfg in cfgs:
                 if phase == "fwd":

@@ -178,7 +178,7 @@ def _ce_merge_kernel(
 
 @triton.jit
 def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, ignore_index,
-                      MEAN: tl.constexpr, BLOCK: tl.constexpr):
+                      MEAN: tl.constexpr, COUNTED: tl.constexpr, BLOCK: tl.constexpr):
     """The summed loss, or its mean over non-ignored tokens (0 when none) and that count.
 
     One program in a fixed order: deterministic, and one launch instead of the five PyTorch ops
@@ -191,13 +191,16 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
         idx = start + offs
         ok = idx < N
         acc += tl.load(loss_ptr + idx, mask=ok, other=0.0)
-        if MEAN:
+        if MEAN and not COUNTED:
             t = tl.load(tgt_ptr + idx.to(tl.int64) * tgt_stride, mask=ok, other=ignore_index)
             cnt += (ok & (t != ignore_index)).to(tl.int32)
     total = tl.sum(acc, 0)
     if MEAN:
-        c = tl.sum(cnt, 0)
-        tl.store(count_ptr, c.to(tl.int64))
+        if COUNTED:  # the count is in count_ptr already
+            c = tl.load(count_ptr)
+        else:
+            c = tl.sum(cnt, 0).to(tl.int64)
+            tl.store(count_ptr, c)
         total = total / tl.maximum(c.to(tl.float32), 1.0)
     tl.store(out_ptr, total)
 
@@ -289,7 +292,7 @@ def _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z: tl.constexpr)
 @triton.jit
 def _ce_backward_kernel(
     x_ptr, dx_ptr, tgt_ptr, lse_ptr, dloss_ptr, count_ptr,
-    V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
+    N, V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
     UNLESS_UNIT: tl.constexpr = False,
@@ -298,16 +301,21 @@ def _ce_backward_kernel(
 
     ``UNLESS_UNIT``: ``dx`` already holds the gradient for an upstream gradient of 1 (written by
     ``_ce_forward_grad_kernel``); rows are rewritten only when the scalar upstream gradient is
-    not 1, a test on the device (no host sync).
+    not 1, a test on the device (no host sync). The grid is then a few programs per
+    multiprocessor looping over rows: with g == 1 they exit at once (a program per row costs
+    ~1 us per 1000 rows just to start and exit).
     """
-    row = tl.program_id(0)
-    g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
     if UNLESS_UNIT:
+        g = tl.load(dloss_ptr).to(tl.float32)
         if g != 1.0:
-            _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0,
-                          s1, d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing,
-                          z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
+            pid, n_prog = tl.program_id(0), tl.num_programs(0)
+            for i in range(0, tl.cdiv(N - pid, n_prog)):
+                _backward_row(pid + i * n_prog, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr,
+                              V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
+                              ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
     else:
+        row = tl.program_id(0)
+        g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
         _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
                       d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
                       MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
@@ -389,21 +397,25 @@ def _ce_forward_grad_kernel(
 
 
 @triton.jit
-def _ce_scale_grad_kernel(dx_ptr, tgt_ptr, dloss_ptr, V_local, D1, d0, d1, tgt_stride,
+def _ce_scale_grad_kernel(dx_ptr, tgt_ptr, dloss_ptr, N, V_local, D1, d0, d1, tgt_stride,
                           ignore_index, BLOCK: tl.constexpr):
     """dx *= g for a scalar upstream gradient g != 1 (the in-place fused path: the logits are
-    gone, so the gradient is scaled, a second rounding). Ignored rows stay 0."""
-    row = tl.program_id(0)
+    gone, so the gradient is scaled, a second rounding). Ignored rows stay 0. A few programs
+    per multiprocessor loop over rows: with g == 1 they exit at once."""
     g = tl.load(dloss_ptr).to(tl.float32)
-    t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride)
-    if (g != 1.0) & (t != ignore_index):
-        dx_row = dx_ptr + _row_start(row, D1, d0, d1)
+    if g != 1.0:
+        pid, n_prog = tl.program_id(0), tl.num_programs(0)
         cols = tl.arange(0, BLOCK)
-        for start in range(0, V_local, BLOCK):
-            idx = start + cols
-            mask = idx < V_local
-            dx = tl.load(dx_row + idx, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dx_row + idx, (dx * g).to(dx_ptr.dtype.element_ty), mask=mask)
+        for i in range(0, tl.cdiv(N - pid, n_prog)):
+            row = pid + i * n_prog
+            t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride)
+            if t != ignore_index:
+                dx_row = dx_ptr + _row_start(row, D1, d0, d1)
+                for start in range(0, V_local, BLOCK):
+                    idx = start + cols
+                    mask = idx < V_local
+                    dx = tl.load(dx_row + idx, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(dx_row + idx, (dx * g).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 def _block(v_local: int, cap: int) -> int:
@@ -472,26 +484,34 @@ def merge(gathered, target, loss, lse, opts):
 REDUCE_ONE_PROGRAM_MAX = 16384
 
 
-def reduce(loss, target, ignore_index, mean, memo=None):
+def reduce(loss, target, ignore_index, mean, memo=None, count=None):
     """``(total, count)``: fp32 scalars sum or mean of ``loss`` (N,), and for ``mean`` the int64
-    count of non-ignored targets (None otherwise)."""
+    count of non-ignored targets (None otherwise); a ``count`` given (``count()``) is used."""
+    counted = count is not None
     if loss.numel() > REDUCE_ONE_PROGRAM_MAX:
+        if counted:  # the PyTorch ops
+            return loss.sum() / count.clamp(min=1), count
         from .. import reference  # the PyTorch ops, same contract
 
         return reference.reduce(loss, target, ignore_index, mean)
     out = torch.empty((), dtype=torch.float32, device=loss.device)
-    count = torch.empty((), dtype=torch.int64, device=loss.device) if mean else None
+    if mean and not counted:
+        count = torch.empty((), dtype=torch.int64, device=loss.device)
     args = (loss, target, out, count if mean else out, loss.numel(), target.stride(0),
             ignore_index)
 
     def kwargs():
-        return dict(MEAN=mean, BLOCK=4096, num_warps=16)
+        return dict(MEAN=mean, COUNTED=counted, BLOCK=4096, num_warps=16)
 
     if memo is None:
         launch(_ce_reduce_kernel, (1,), *args, **kwargs())
     else:
-        launch_memo(memo, ("reduce", mean), _ce_reduce_kernel, (1,), args, kwargs)
+        launch_memo(memo, ("reduce", mean, counted), _ce_reduce_kernel, (1,), args, kwargs)
     return out, count
+
+
+#: programs per multiprocessor of the backward that acts only for an upstream gradient != 1
+UNLESS_UNIT_PER_SM = 8
 
 
 def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_unit=False):
@@ -506,24 +526,26 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
     v_local = x.shape[-1]
     mean = count is not None
     args = (x, dview.tensor, target, lse, dloss, count if mean else lse,
-            v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
+            n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
             dloss.stride(0) if dloss.dim() else 0, *opts)
+    grid = (min(n, UNLESS_UNIT_PER_SM * _multiprocessors(x.device)),) if unless_unit else (n,)
 
     def kwargs():
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
                     UNLESS_UNIT=unless_unit, **backward_config(v_local, x.dtype))
 
     if memo is None:
-        launch(_ce_backward_kernel, (n,), *args, **kwargs())
+        launch(_ce_backward_kernel, grid, *args, **kwargs())
     else:
-        launch_memo(memo, ("backward", mean, unless_unit), _ce_backward_kernel, (n,), args,
+        launch_memo(memo, ("backward", mean, unless_unit), _ce_backward_kernel, grid, args,
                     kwargs)
 
 
 # --------------------------------------------------------------- fused path of reduced losses
 #: Rows up to this many columns take the fused forward+gradient kernel for a reduced loss on one
-#: shard (see ``fused_config``); longer rows do not stay in L2 between the two reads.
-FUSED_MAX_V = 32768
+#: shard (see ``fused_config``). Measured faster than two passes up to 256K columns (whose
+#: 512 KB rows no longer all stay in L2: 1.37x the 4 B bound against 1.68x).
+FUSED_MAX_V = 1 << 31
 
 
 @functools.lru_cache(maxsize=8)
@@ -545,10 +567,16 @@ def fused_config(v_local: int, dtype: torch.dtype) -> dict:
     The grid bounds the rows in flight, so that a row is still in L2 when its program reads it
     the second time: rows in flight x row bytes must stay well under the 50 MB L2.
     """
+    # H200 sweep (2026-12-03, scripts/tune_fused.py, benchmarks/results/tuning/): the best warps
+    # grow with the row: 8 for 32 KB rows, 16 for 64 KB, 32 for 128 KB; reading blocks of 8 KB
+    # (8 warps) or 16 KB; a program per row (a grid of 8 per multiprocessor: 2-10% slower)
     vec = 16 // dtype.itemsize
-    return dict(BLOCK=max(vec, _block(v_local, 4096)), VEC=vec,
-                GRAD_BLOCK=_block(v_local, 8192), REVERSE=True, KEEP=True, num_warps=16,
-                programs_per_sm=0, LEAN=True, FTZ=True)
+    row_bytes = v_local * dtype.itemsize
+    warps = 8 if row_bytes <= 32768 else 16 if row_bytes <= 65536 else 32
+    block = (8192 if warps == 8 else 16384) // dtype.itemsize
+    return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
+                GRAD_BLOCK=_block(v_local, 8192), REVERSE=True, KEEP=True, num_warps=warps,
+                programs_per_sm=0, LEAN=True, FTZ=False)
 
 
 def count(target, ignore_index, memo=None):
@@ -596,13 +624,14 @@ def scale_grad(dview, target, dloss, ignore_index, memo=None):
     """``dview *= dloss`` (a scalar) unless it is 1, decided on the device."""
     n, x = target.numel(), dview.tensor
     v_local = x.shape[-1]
-    args = (x, target, dloss, v_local, dview.D1, dview.s0, dview.s1, target.stride(0),
+    args = (x, target, dloss, n, v_local, dview.D1, dview.s0, dview.s1, target.stride(0),
             ignore_index)
+    grid = (min(n, UNLESS_UNIT_PER_SM * _multiprocessors(x.device)),)
 
     def kwargs():
         return dict(BLOCK=_block(v_local, 8192), num_warps=8)
 
     if memo is None:
-        launch(_ce_scale_grad_kernel, (n,), *args, **kwargs())
+        launch(_ce_scale_grad_kernel, grid, *args, **kwargs())
     else:
-        launch_memo(memo, ("scale_grad",), _ce_scale_grad_kernel, (n,), args, kwargs)
+        launch_memo(memo, ("scale_grad",), _ce_scale_grad_kernel, grid, args, kwargs)
