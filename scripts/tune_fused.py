@@ -42,8 +42,6 @@ def main() -> None:
     ap.add_argument("--blocks", default="2048:4096,4096:8192,8192:8192",
                     help="BLOCK:GRAD_BLOCK pairs (elements)")
     ap.add_argument("--stages", default="", help="also sweep num_stages, e.g. 1,2,3")
-    ap.add_argument("--variants", default="1",
-                    help="1: LEAN+FTZ, 2: also LEAN alone, 3: also the plain second pass")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -75,13 +73,11 @@ def main() -> None:
         results.append(dict(shape=spec, impl="two_pass", ms=ms2, ratio=ms2 / bound_ms))
         vec = 16 // dtype.itemsize
         blocks = [tuple(int(b) for b in pair.split(":")) for pair in args.blocks.split(",")]
-        variants = [dict(LEAN=False, FTZ=False), dict(LEAN=True, FTZ=False),
-                    dict(LEAN=True, FTZ=True)][-int(args.variants):]
-        cfgs = [dict(BLOCK=b, VEC=vec, GRAD_BLOCK=gb, REVERSE=True, KEEP=True, num_warps=w,
-                     programs_per_sm=p, **var, **({"num_stages": st} if st else {}))
-                for st, var, (b, gb), w, p in itertools.product(
-                    [int(x) for x in args.stages.split(",") if x] or [0],
-                    variants, blocks, [int(w) for w in args.warps.split(",")],
+        cfgs = [dict(BLOCK=b, VEC=vec, GRAD_BLOCK=gb, num_warps=w, programs_per_sm=p,
+                     **({"num_stages": st} if st else {}))
+                for st, (b, gb), w, p in itertools.product(
+                    [int(x) for x in args.stages.split(",") if x] or [0], blocks,
+                    [int(w) for w in args.warps.split(",")],
                     [int(p) for p in args.per_sm.split(",")])]
 
         def run(cfg):
@@ -103,14 +99,6 @@ def main() -> None:
             if row and (best is None or row["ms"] < best["ms"]):
                 best = row
         print(f"best {spec}: {best}", flush=True)
-        for var in variants:
-            rows = [r for r in results if r["shape"] == spec and r["impl"] == "fused"
-                    and all(r[k] == var[k] for k in var)]
-            if rows:
-                b = min(rows, key=lambda r: r["ms"])
-                print(f"  best {var}: {b['ratio']:.3f} (BLOCK {b['BLOCK']}, GRAD_BLOCK "
-                      f"{b['GRAD_BLOCK']}, warps {b['num_warps']}, per SM {b['programs_per_sm']})",
-                      flush=True)
         x = dview = ref = None
     if args.out:
         with open(args.out, "w") as f:

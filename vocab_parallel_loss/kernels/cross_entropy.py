@@ -15,10 +15,12 @@ each element costs one ``exp2``: a running max per element would cost two, which
 special-function throughput limit for bf16 at full HBM bandwidth, and a block-wide running max
 costs a shared-memory reduction per block (measured 1.2-3.7x the bound with 4-16 warps).
 
-Reduced losses take the same two passes. A fused variant that kept a whole row (<= 32K) in
-registers and wrote the unit gradient during forward (4 B/element instead of 6) measured
-1.86-2.5x the 4 B bound on the H200 with 4-32 warps, slower than the two passes (1.53-1.60x), so
-it was dropped: one program holding a row cannot keep enough loads in flight.
+Reduced losses (``"mean"``/``"sum"``) on one shard need no per-token upstream gradient, so
+``_ce_forward_grad_kernel`` writes their gradient during forward: each row is read twice by the
+same program, the second time from L2, so HBM sees 4 B/element instead of 6 (1.05-1.09x the 4 B
+bound on the H200 for rows up to 64 KB). Backward then acts only when the scalar upstream
+gradient is not 1, a test made on the device. With tensor parallelism the row's statistics need
+the collective first, so the two passes stay.
 """
 
 from __future__ import annotations
@@ -42,20 +44,8 @@ def _row_start(row, D1, s0, s1):
 
 
 @triton.jit
-def _exp2(x, FTZ: tl.constexpr):
-    """2**x; ``FTZ``: the single-instruction PTX form that flushes subnormals to 0 (Triton's
-    exp2 adds a subnormal-range fix-up around it). Harmless for a softmax: such terms are far
-    below an fp32 ulp of a sum >= 1. NVIDIA only (the interpreter cannot run PTX)."""
-    if FTZ:
-        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=r,r", [x],
-                                         dtype=tl.float32, is_pure=True, pack=1)
-    else:
-        return tl.exp2(x)
-
-
-@triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr, KEEP: tl.constexpr = False, FTZ: tl.constexpr = False):
+               VEC: tl.constexpr, KEEP: tl.constexpr = False):
     """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
@@ -86,8 +76,8 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
         m_new = tl.maximum(m, tl.max(x, 1))
         # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = _exp2((x - m_safe[:, None]) * 1.4426950408889634, FTZ)
-        s = s * _exp2((m - m_safe) * 1.4426950408889634, FTZ) + tl.sum(p, 1)
+        p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
+        s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
         m = m_new
         if HAS_SMOOTHING:
             sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
@@ -207,29 +197,15 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
 
 @triton.jit
 def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr,
-              EVICT: tl.constexpr):
-    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once.
-
-    ``REVERSE`` walks the row from its end: the fused kernel's second pass then meets first the
-    blocks its first pass read last, the likeliest to be still in L2. ``EVICT``: this is the
-    row's last read, its lines may leave L2 first (measured 1-3% slower in the plain backward).
-    """
+              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
-    n_blocks = tl.cdiv(V_local, BLOCK)
-    for i in range(0, n_blocks):
-        if REVERSE:
-            start = (n_blocks - 1 - i) * BLOCK
-        else:
-            start = i * BLOCK
+    for start in range(0, V_local, BLOCK):
         idx = start + cols
         mask = idx < V_local
-        if EVICT:
-            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first")
-        else:
-            x = tl.load(x_row + idx, mask=mask, other=0.0)
-        p = tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
+        x = tl.load(x_row + idx, mask=mask, other=0.0).to(tl.float32)
+        p = tl.exp2(x * 1.4426950408889634 - lse2)
         dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
         if HAS_SMOOTHING:
             dx -= uniform
@@ -239,13 +215,14 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
-                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, FTZ: tl.constexpr):
-    """``_row_grad`` for the fused kernel, with fewer instructions per element (that kernel does
-    two passes of arithmetic per 4 B of traffic). Walks the row from its end (the tail block
-    first, then whole blocks without a mask); an ignored row takes a branch that stores zeros;
-    the target column's term is not tested per element but written once at the end, from
-    ``x_t`` (the same value as the column's element), after a barrier orders it behind the
-    row's stores."""
+                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+    """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
+    two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
+    (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
+    read meets first the blocks the first read left in L2 last (the tail block first, then
+    whole blocks without a mask); an ignored row takes a branch that stores zeros; the target
+    column's term is not tested per element but written once at the end, from ``x_t`` (the
+    same value as the column's element), after a barrier orders it behind the row's stores."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
@@ -255,20 +232,20 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
             idx = tail + cols
             mask = idx < V_local
             x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first")
-            dx = coef * _exp2(x.to(tl.float32) * 1.4426950408889634 - lse2, FTZ)
+            dx = coef * tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
             x = tl.load(x_row + idx, eviction_policy="evict_first")
-            dx = coef * _exp2(x.to(tl.float32) * 1.4426950408889634 - lse2, FTZ)
+            dx = coef * tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty))
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
-        dx_t = coef * _exp2(x_t * 1.4426950408889634 - lse2, FTZ) - target_coef
+        dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - target_coef
         if HAS_SMOOTHING:
             dx_t -= uniform
         tl.store(dx_row + tl.where(in_shard, t_local, 0), dx_t.to(dx_row.dtype.element_ty),
@@ -335,7 +312,7 @@ def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
     coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
     _row_grad(x_row, dx_row, V_local, t - vocab_start, lse, coef, target_coef, uniform, valid,
-              HAS_SMOOTHING, BLOCK, False, False)
+              HAS_SMOOTHING, BLOCK)
 
 
 @triton.jit
@@ -357,8 +334,7 @@ def _ce_forward_grad_kernel(
     N, V_local, D1, s0, s1, d0, d1, tgt_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
-    LEAN: tl.constexpr = False, FTZ: tl.constexpr = False,
+    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr,
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -373,8 +349,7 @@ def _ce_forward_grad_kernel(
         x_row = x_ptr + _row_start(row, D1, s0, s1)
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
-        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, KEEP,
-                                      FTZ)
+        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, True)
         lse = m + tl.log2(s) * 0.6931471805599453
         loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
                                      z_loss, HAS_SMOOTHING, HAS_Z)
@@ -387,13 +362,8 @@ def _ce_forward_grad_kernel(
         lse = tl.where(valid, lse, 0.0)
         coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
                                                  HAS_Z)
-        dx_row = dx_ptr + _row_start(row, D1, d0, d1)
-        if LEAN:
-            _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform,
-                           valid, HAS_SMOOTHING, GRAD_BLOCK, FTZ)
-        else:
-            _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-                      HAS_SMOOTHING, GRAD_BLOCK, REVERSE, KEEP)
+        _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local, x_t, lse,
+                       coef, target_coef, uniform, valid, HAS_SMOOTHING, GRAD_BLOCK)
 
 
 @triton.jit
@@ -555,11 +525,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _ptx_ok(x: torch.Tensor) -> bool:
-    """Inline PTX runs: an NVIDIA GPU (not the interpreter, not ROCm)."""
-    return x.is_cuda and torch.version.hip is None
-
-
 @functools.lru_cache(maxsize=256)
 def fused_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid.
@@ -567,16 +532,21 @@ def fused_config(v_local: int, dtype: torch.dtype) -> dict:
     The grid bounds the rows in flight, so that a row is still in L2 when its program reads it
     the second time: rows in flight x row bytes must stay well under the 50 MB L2.
     """
-    # H200 sweep (2026-12-03, scripts/tune_fused.py, benchmarks/results/tuning/): the best warps
-    # grow with the row: 8 for 32 KB rows, 16 for 64 KB, 32 for 128 KB; reading blocks of 8 KB
-    # (8 warps) or 16 KB; a program per row (a grid of 8 per multiprocessor: 2-10% slower)
+    # H200 sweeps (2026-12-03, scripts/tune_fused.py, benchmarks/results/tuning/fused-*): rows
+    # up to 64 KB: 8 warps reading up to 16K elements per block, so each thread has many loads
+    # in flight (1.05-1.09x the bound); 128 KB rows: 16 warps, 8K / 16K blocks (1.07x fp32,
+    # 1.25x bf16); longer rows: 32 warps, 8K blocks (1.34x at 128K columns, 1.37x at 256K, where
+    # rows in flight outgrow the L2). A program per row: a smaller grid was 2-10% slower.
     vec = 16 // dtype.itemsize
     row_bytes = v_local * dtype.itemsize
-    warps = 8 if row_bytes <= 32768 else 16 if row_bytes <= 65536 else 32
-    block = (8192 if warps == 8 else 16384) // dtype.itemsize
+    if row_bytes <= 65536:
+        block, grad_block, warps = 16384, 16384, 8
+    elif row_bytes <= 131072:
+        block, grad_block, warps = 8192, 16384, 16
+    else:
+        block, grad_block, warps = 8192, 8192, 32
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
-                GRAD_BLOCK=_block(v_local, 8192), REVERSE=True, KEEP=True, num_warps=warps,
-                programs_per_sm=0, LEAN=True, FTZ=False)
+                GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0)
 
 
 def count(target, ignore_index, memo=None):
@@ -606,7 +576,6 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
     mean = count is not None
     cfg = dict(config or fused_config(v_local, x.dtype))
     per_sm = cfg.pop("programs_per_sm")
-    cfg["FTZ"] = cfg.get("FTZ", False) and _ptx_ok(x)
     grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
     args = (x, dview.tensor, target, loss, lse, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
