@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--warps", default="8,16,32")
     ap.add_argument("--per-sm", default="1,2,4,8,0")
+    ap.add_argument("--smoothing", type=float, default=0.0, help="label smoothing")
     ap.add_argument("--blocks", default="2048:4096,4096:8192,8192:8192",
                     help="BLOCK:GRAD_BLOCK pairs (elements)")
     ap.add_argument("--stages", default="", help="also sweep num_stages, e.g. 1,2,3")
@@ -56,7 +57,7 @@ def main() -> None:
         loss, lse = torch.empty(n, device="cuda"), torch.empty(n, device="cuda")
         view = row_view(x)
         dview = like_rows(view)
-        opts = LossOptions(0, v, -100, 0.0, 0.0)
+        opts = LossOptions(0, v, -100, args.smoothing, 0.0)
         count = K.count(t, -100)
         bound_ms = 2 * dtype.itemsize * n * v / bw * 1e3
         # the default two passes, and their gradient as the reference for each config

@@ -350,7 +350,7 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
     default = kernels.fused_config
     # per_sm=4: a grid of 8 programs (the interpreter counts 2 multiprocessors) loops over rows
     monkeypatch.setattr(kernels, "fused_config",
-                        lambda v, d: dict(default(v, d), programs_per_sm=per_sm))
+                        lambda v, d, ls=False: dict(default(v, d, ls), programs_per_sm=per_sm))
     logits = make_logits((7, 3, 2053), torch.bfloat16, "sbv_transposed").requires_grad_()
     target = make_target((7, 3), 2053)
     saved = []
