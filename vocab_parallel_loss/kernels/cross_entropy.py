@@ -215,42 +215,33 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
-                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, VEC: tl.constexpr):
+                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
     two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
     (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
     read meets first the blocks the first read left in L2 last (the tail block first, then
     whole blocks without a mask); an ignored row takes a branch that stores zeros; the target
     column's term is not tested per element but written once at the end, from ``x_t`` (the
-    same value as the column's element), after a barrier orders it behind the row's stores.
-
-    Returns the sum of the row's logits when ``HAS_SMOOTHING`` (label smoothing's loss needs
-    it): summed here, per 16-byte vector inside a thread, rather than in the first pass, whose
-    masked loads would need a select per element and whose registers are fuller.
-    """
+    same value as the column's element), after a barrier orders it behind the row's stores."""
     lse2 = lse * 1.4426950408889634
-    offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+    cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
     tail = n_full * BLOCK
-    sum_x = tl.zeros([BLOCK // VEC], tl.float32)
     if valid:
         if tail < V_local:
-            idx = tail + offs
+            idx = tail + cols
             mask = idx < V_local
-            x = tl.load(x_row + idx, mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
+            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first")
+            dx = coef * tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
-                sum_x += tl.sum(x, 1)
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
         for i in range(0, n_full):
-            idx = (n_full - 1 - i) * BLOCK + offs
-            x = tl.load(x_row + idx, eviction_policy="evict_first").to(tl.float32)
-            dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
+            idx = (n_full - 1 - i) * BLOCK + cols
+            x = tl.load(x_row + idx, eviction_policy="evict_first")
+            dx = coef * tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
-                sum_x += tl.sum(x, 1)
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty))
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
@@ -260,12 +251,10 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         tl.store(dx_row + tl.where(in_shard, t_local, 0), dx_t.to(dx_row.dtype.element_ty),
                  mask=in_shard)
     else:
-        cols = tl.arange(0, BLOCK)
         zero = tl.zeros([BLOCK], dx_row.dtype.element_ty)
         for start in range(0, V_local, BLOCK):
             idx = start + cols
             tl.store(dx_row + idx, zero, mask=idx < V_local)
-    return tl.sum(sum_x, 0)
 
 
 @triton.jit
@@ -360,12 +349,11 @@ def _ce_forward_grad_kernel(
         x_row = x_ptr + _row_start(row, D1, s0, s1)
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
-        m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, True)
-        lse_raw = m + tl.log2(s) * 0.6931471805599453
-        # the lse first (NaN for an out-of-range target, which the gradient then carries); the
-        # loss after the second pass, which sums the logits for label smoothing
-        _, lse = _loss_from_stats(t, lse_raw, x_t, 0.0, V_global, ignore_index, smoothing,
-                                  z_loss, False, HAS_Z)
+        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, True)
+        lse = m + tl.log2(s) * 0.6931471805599453
+        loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
+                                     z_loss, HAS_SMOOTHING, HAS_Z)
+        tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         g = 1.0
         if MEAN:
@@ -374,12 +362,8 @@ def _ce_forward_grad_kernel(
         lse = tl.where(valid, lse, 0.0)
         coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
                                                  HAS_Z)
-        sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
-                               x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
-                               GRAD_BLOCK, VEC)
-        loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
-                                   z_loss, HAS_SMOOTHING, HAS_Z)
-        tl.store(loss_ptr + row, loss)
+        _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local, x_t, lse,
+                       coef, target_coef, uniform, valid, HAS_SMOOTHING, GRAD_BLOCK)
 
 
 @triton.jit
@@ -542,7 +526,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def fused_config(v_local: int, dtype: torch.dtype) -> dict:
+def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> dict:
     """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid.
 
     The grid bounds the rows in flight, so that a row is still in L2 when its program reads it
@@ -561,6 +545,10 @@ def fused_config(v_local: int, dtype: torch.dtype) -> dict:
         block, grad_block, warps = 8192, 16384, 16
     else:
         block, grad_block, warps = 8192, 8192, 32
+    if smoothing:
+        # the running sum of logits is one more per-vector array: 16K blocks at 8 warps spill
+        # registers (label smoothing measured 1.86x the bound with them)
+        block = min(block, 4096)
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0)
 
@@ -590,7 +578,7 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     mean = count is not None
-    cfg = dict(config or fused_config(v_local, x.dtype))
+    cfg = dict(config or fused_config(v_local, x.dtype, opts.smoothing > 0))
     per_sm = cfg.pop("programs_per_sm")
     grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
     args = (x, dview.tensor, target, loss, lse, count if mean else lse,
