@@ -545,10 +545,12 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
         block, grad_block, warps = 8192, 16384, 16
     else:
         block, grad_block, warps = 8192, 8192, 32
-    if smoothing:
+    if smoothing and row_bytes <= 65536:
         # the running sum of logits is one more per-vector array: 16K blocks at 8 warps spill
-        # registers (label smoothing measured 1.86x the bound with them)
-        block = min(block, 4096)
+        # registers (1.84x the bound); 8K blocks at 16 warps were best (1.28x at 32000 columns,
+        # 1.53x at 16032, tuning/fused-ls-*). Summing the logits in the second pass instead
+        # (2D tiles there) was slower on every case (80bfd87, reverted).
+        block, warps = 8192, 16
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0)
 
