@@ -5,6 +5,10 @@ parallelism one all-gather of those (4 x N floats) and a merge give the full-voc
 lse on every rank. Saved for backward: the logits reference, the flat targets and the lse (O(N)).
 Backward: no communication; one pass recomputes the softmax from the saved lse and writes the
 gradient, rounded once to the logits dtype, into a new tensor or over the logits.
+
+A ``"mean"``/``"sum"`` loss on one shard takes a fused path instead (``_fused_forward``): the
+forward kernel also writes the gradient for a unit upstream gradient, and backward acts only
+when the upstream gradient is not 1.
 """
 
 from __future__ import annotations

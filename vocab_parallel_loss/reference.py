@@ -1,9 +1,11 @@
 """Pure-PyTorch implementation with the kernels' exact semantics.
 
 Used for CPU tensors when ``TRITON_INTERPRET`` is not set and wherever Triton is missing. The
-functions mirror ``kernels/cross_entropy.py`` one for one (same arguments, same outputs), so the
-autograd layer does not care which one runs. Rows are processed in chunks so that at most
-``_CHUNK_ELEMENTS`` fp32 logits exist at a time.
+functions mirror ``forward``, ``merge``, ``reduce`` and ``backward`` of ``kernels/cross_entropy.py``
+(same arguments, same outputs), so the autograd layer does not care which one runs; the fused
+path of reduced losses (``forward_grad``) is the Triton backend's only, an optimisation of the
+same result. Rows are processed in chunks so that at most ``_CHUNK_ELEMENTS`` fp32 logits exist
+at a time.
 """
 
 from __future__ import annotations
