@@ -52,19 +52,49 @@ def test_sbv_transposed_and_inplace():
             assert grad.data_ptr() == inp.data_ptr()
 
 
-def test_more_than_2_pow_31_elements():
+@pytest.mark.parametrize("reduction", ["none", "sum"])
+def test_more_than_2_pow_31_elements(reduction):
+    # "sum" takes the fused path of reduced losses (gradient written in forward)
     n, v = 8400, 256000  # 2.15e9 elements
     assert n * v > 2**31
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g)
     t = torch.randint(0, v, (n,), device="cuda", generator=g)
     xr = x.requires_grad_()
-    loss = cross_entropy(xr, t)
+    loss = cross_entropy(xr, t, reduction=reduction)
     (grad,) = torch.autograd.grad(loss.sum(), xr)
     rows = torch.tensor([0, 1, n // 2, n - 2, n - 1], device="cuda")  # rows past 2^31 included
     ref_loss, ref_grad = full_vocab_loss_and_grad(x.detach()[rows], t[rows])
-    torch.testing.assert_close(loss[rows].double(), ref_loss, atol=1e-4, rtol=1e-5)
+    if reduction == "none":
+        torch.testing.assert_close(loss[rows].double(), ref_loss, atol=1e-4, rtol=1e-5)
+    else:
+        ref_sum = full_vocab_loss_and_grad(x.detach(), t, reduction="sum")[0]
+        torch.testing.assert_close(loss.double(), ref_sum, atol=1e-3, rtol=1e-6)
     torch.testing.assert_close(grad[rows].double(), ref_grad, atol=4e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("n,v", [(4096, 32000), (1024, 128256), (4096, 16032)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("reduction,upstream,inplace", [
+    ("mean", 1.0, False), ("mean", 0.5, False), ("sum", 1.0, True), ("mean", 0.5, True)])
+def test_reduced_fused_path_matches_fp64(n, v, dtype, reduction, upstream, inplace):
+    """The fused path of reduced losses on one shard: the gradient written in forward (unit
+    upstream gradient), recomputed (0.5), or scaled in place (0.5, in place)."""
+    x, t, _ = _case(n, v, dtype)
+    xr = x.clone().requires_grad_()
+    inp = xr * 1 if inplace else xr  # in place needs a non-leaf, as out of an output layer
+    kw = dict(reduction=reduction, label_smoothing=0.1, z_loss=1e-4)
+    loss = cross_entropy(inp, t, inplace_backward=inplace, **kw)
+    g = torch.tensor(upstream, device="cuda")
+    (grad,) = torch.autograd.grad(loss, inp, g)
+    ref_loss, ref_grad = full_vocab_loss_and_grad(x, t, g, **kw)
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-4, rtol=1e-5)
+    # a mean's gradient is ~1/count: compared at the scale of a per-token one
+    scale = float((t != -100).sum()) / upstream if reduction == "mean" else 1.0 / upstream
+    gtol = 2e-6 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(grad.double() * scale, ref_grad * scale, atol=gtol, rtol=1e-2)
+    if inplace:
+        assert grad.data_ptr() == inp.data_ptr()
 
 
 @pytest.mark.parametrize("reduction", ["none", "mean"])
