@@ -161,12 +161,21 @@ def _fused_forward(ctx, view, t, plan):
     ctx.rows = (view.D1, view.s0, view.s1)
     ctx.grad_rows = (dview.D1, dview.s0, dview.s1)
     ctx.plan = plan
+    ctx.grad_taken = False
     return out
 
 
 def _fused_backward(ctx, dloss):
     logits, t, lse, count, grad = ctx.saved_tensors
     plan = ctx.plan
+    if ctx.grad_taken:  # a second backward through a retained graph: the buffer is handed out
+        if plan.inplace_backward:
+            raise RuntimeError("a loss with inplace_backward=True was differentiated twice "
+                               "(retain_graph): its logits hold the first gradient; use "
+                               "inplace_backward=False to backward more than once")
+        return backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, plan.opts,
+                             False, plan.memo)
+    ctx.grad_taken = True
     dview = RowView(grad, *ctx.grad_rows)
     if plan.inplace_backward:  # the logits are gone: scale the gradient when dloss != 1
         _triton_kernels.scale_grad(dview, t, dloss, plan.opts.ignore_index, plan.memo)

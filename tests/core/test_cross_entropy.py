@@ -341,6 +341,34 @@ def test_reduced_loss_unit_and_scaled_upstream(impl, reduction, upstream, layout
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-4, rtol=rtol)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reduced_loss_backward_twice_through_a_retained_graph(impl, reduction):
+    # the fused path hands its forward-made gradient out once; a second backward recomputes
+    logits = make_logits((5, 3, 61), torch.bfloat16, "contiguous").requires_grad_()
+    target = make_target((5, 3), 61)
+    loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1)
+    for upstream in (1.0, 0.5, 1.0):
+        (grad,) = torch.autograd.grad(loss, logits, torch.tensor(upstream), retain_graph=True)
+        _, ref = full_vocab_loss_and_grad(logits, target, torch.tensor(upstream),
+                                          reduction=reduction, label_smoothing=0.1)
+        torch.testing.assert_close(grad.double(), ref, atol=1e-4, rtol=8e-3)
+    y = logits.detach().clone().requires_grad_() * 1
+    loss = cross_entropy(y, target, reduction=reduction, inplace_backward=True)
+    torch.autograd.grad(loss, y, retain_graph=True)
+    with pytest.raises(RuntimeError, match="inplace"):
+        torch.autograd.grad(loss, y)
+
+
+def test_reduced_loss_leaf_gradient_is_not_copied(impl):
+    # AccumulateGrad takes the returned buffer as .grad (the graph released it first)
+    logits = make_logits((5, 3, 61), torch.bfloat16, "contiguous").requires_grad_()
+    loss = cross_entropy(logits, make_target((5, 3), 61), reduction="mean")
+    captured = {}
+    logits.register_hook(lambda g: captured.update(ptr=g.data_ptr()))
+    loss.backward()
+    assert logits.grad.data_ptr() == captured["ptr"]
+
+
 @pytest.mark.parametrize("upstream", [1.0, 0.25])
 @pytest.mark.parametrize("per_sm", [0, 4])
 def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, per_sm):
