@@ -22,15 +22,10 @@ from vocab_parallel_loss._layout import like_rows, row_view
 from vocab_parallel_loss._options import LossOptions
 from vocab_parallel_loss.kernels import cross_entropy as K
 
+from tune_kernels import copy_bandwidth  # scripts/ is on the path when run as a script
+
 SHAPES = ["16384x32000", "16384x16032", "65536x16032", "16384x32000-fp32", "16384x65536",
           "16384x128256"]
-
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    ms = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=50)
-    return 2 * a.numel() / (ms * 1e-3)
 
 
 def main() -> None:
