@@ -176,20 +176,15 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
     """
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
-    cnt = tl.zeros([BLOCK], tl.int32)
     for start in range(0, N, BLOCK):
         idx = start + offs
-        ok = idx < N
-        acc += tl.load(loss_ptr + idx, mask=ok, other=0.0)
-        if MEAN and not COUNTED:
-            t = tl.load(tgt_ptr + idx.to(tl.int64) * tgt_stride, mask=ok, other=ignore_index)
-            cnt += (ok & (t != ignore_index)).to(tl.int32)
+        acc += tl.load(loss_ptr + idx, mask=idx < N, other=0.0)
     total = tl.sum(acc, 0)
     if MEAN:
         if COUNTED:  # the count is in count_ptr already
             c = tl.load(count_ptr)
         else:
-            c = tl.sum(cnt, 0).to(tl.int64)
+            c = _count_kept(tgt_ptr, N, tgt_stride, ignore_index, BLOCK)
             tl.store(count_ptr, c)
         total = total / tl.maximum(c.to(tl.float32), 1.0)
     tl.store(out_ptr, total)
@@ -316,7 +311,7 @@ def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D
 
 
 @triton.jit
-def _ce_count_kernel(tgt_ptr, count_ptr, N, tgt_stride, ignore_index, BLOCK: tl.constexpr):
+def _count_kept(tgt_ptr, N, tgt_stride, ignore_index, BLOCK: tl.constexpr):
     """The int64 count of targets that are not ``ignore_index`` (one program, fixed order)."""
     offs = tl.arange(0, BLOCK)
     cnt = tl.zeros([BLOCK], tl.int32)
@@ -325,7 +320,12 @@ def _ce_count_kernel(tgt_ptr, count_ptr, N, tgt_stride, ignore_index, BLOCK: tl.
         ok = idx < N
         t = tl.load(tgt_ptr + idx.to(tl.int64) * tgt_stride, mask=ok, other=ignore_index)
         cnt += (ok & (t != ignore_index)).to(tl.int32)
-    tl.store(count_ptr, tl.sum(cnt, 0).to(tl.int64))
+    return tl.sum(cnt, 0).to(tl.int64)
+
+
+@triton.jit
+def _ce_count_kernel(tgt_ptr, count_ptr, N, tgt_stride, ignore_index, BLOCK: tl.constexpr):
+    tl.store(count_ptr, _count_kept(tgt_ptr, N, tgt_stride, ignore_index, BLOCK))
 
 
 @triton.jit
@@ -512,12 +512,6 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
 
 
 # --------------------------------------------------------------- fused path of reduced losses
-#: Rows up to this many columns take the fused forward+gradient kernel for a reduced loss on one
-#: shard (see ``fused_config``). Measured faster than two passes up to 256K columns (whose
-#: 512 KB rows no longer all stay in L2: 1.37x the 4 B bound against 1.68x).
-FUSED_MAX_V = 1 << 31
-
-
 @functools.lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":  # the interpreter: a small grid, so tests run the row loop
