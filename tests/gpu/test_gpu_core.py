@@ -98,6 +98,21 @@ def test_reduced_fused_path_matches_fp64(n, v, dtype, reduction, upstream, inpla
         assert grad.data_ptr() == inp.data_ptr()
 
 
+@pytest.mark.parametrize("n", [16384, 65536, 65537])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_reduction_by_the_last_program(n, reduction):
+    """Up to 65536 tokens the fused kernel's last program sums the losses (a ticket taken by
+    every program); one more takes the separate reduction. Fifty calls are bitwise equal (a
+    race on the ticket would show as a partial sum) and match fp64."""
+    x, t, _ = _case(n, 1000, torch.bfloat16)
+    xr = x.requires_grad_()
+    first = cross_entropy(xr, t, reduction=reduction).detach()
+    ref = full_vocab_loss(x.detach(), t, reduction=reduction)
+    torch.testing.assert_close(first.double(), ref, atol=1e-5, rtol=1e-6)
+    again = torch.stack([cross_entropy(xr, t, reduction=reduction).detach() for _ in range(50)])
+    assert torch.equal(again, first.expand(50))
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_cuda_graph_capture_and_replay(reduction):
     x, t, up = _case(2048, 32000, torch.bfloat16)
@@ -214,9 +229,10 @@ def test_fast_launch_is_taken_and_bitwise_equal(kw):
     finally:
         _launch.set_enabled(True)
     assert enabled, "the fast launch path is not supported by this Triton"
-    # forward and backward; a mean on one shard: count, fused forward+gradient, reduction, and
-    # the backward that acts only when the upstream gradient is not 1
-    per_case = 2 if kw.get("reduction", "none") == "none" else 4
+    # forward and backward; a mean on one shard: count (and ticket), the fused kernel (loss,
+    # gradient and, in its last program, the reduction), and the backward that acts only when
+    # the upstream gradient is not 1
+    per_case = 2 if kw.get("reduction", "none") == "none" else 3
     assert _launch.counts["fast"] - before["fast"] == per_case * len(cases)
     assert _launch.counts["triton"] == before["triton"]
     for (loss, grad), (e_loss, e_grad) in zip(got, expected):
