@@ -38,6 +38,8 @@ def main() -> None:
     ap.add_argument("--blocks", default="2048:4096,4096:8192,8192:8192",
                     help="BLOCK:GRAD_BLOCK pairs (elements)")
     ap.add_argument("--stages", default="", help="also sweep num_stages, e.g. 1,2,3")
+    ap.add_argument("--split", default="0,1",
+                    help="SPLIT values: whole blocks without a mask, then the tail")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -70,11 +72,12 @@ def main() -> None:
         vec = 16 // dtype.itemsize
         blocks = [tuple(int(b) for b in pair.split(":")) for pair in args.blocks.split(",")]
         cfgs = [dict(BLOCK=b, VEC=vec, GRAD_BLOCK=gb, num_warps=w, programs_per_sm=p,
-                     **({"num_stages": st} if st else {}))
-                for st, (b, gb), w, p in itertools.product(
+                     SPLIT=bool(sp), **({"num_stages": st} if st else {}))
+                for st, (b, gb), w, p, sp in itertools.product(
                     [int(x) for x in args.stages.split(",") if x] or [0], blocks,
                     [int(w) for w in args.warps.split(",")],
-                    [int(p) for p in args.per_sm.split(",")])]
+                    [int(p) for p in args.per_sm.split(",")],
+                    [int(sp) for sp in args.split.split(",")])]
 
         def run(cfg):
             fn = lambda: K.forward_grad(view, dview, t, loss, lse, count, opts, config=cfg)  # noqa: E731

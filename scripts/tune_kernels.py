@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--fwd-blocks", default="1024,2048,4096")
     ap.add_argument("--fwd-warps", default="2,4,8")
     ap.add_argument("--fwd-only", action="store_true")
+    ap.add_argument("--fwd-split", default="0", help="SPLIT values of the forward, e.g. 0,1")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
@@ -61,9 +62,11 @@ def main() -> None:
         def with_stages(cfgs):
             return [dict(c, num_stages=st) if st else c for c in cfgs for st in stages]
 
-        fwd_cfgs = with_stages([dict(BLOCK=b, VEC=vec, num_warps=w) for b, vec, w in
-                                itertools.product([int(b) for b in args.fwd_blocks.split(",")],
-                                                  [8], [int(w) for w in args.fwd_warps.split(",")])])
+        fwd_cfgs = with_stages([dict(BLOCK=b, VEC=vec, num_warps=w, SPLIT=bool(sp))
+                                for b, vec, w, sp in itertools.product(
+                                    [int(b) for b in args.fwd_blocks.split(",")], [8],
+                                    [int(w) for w in args.fwd_warps.split(",")],
+                                    [int(sp) for sp in args.fwd_split.split(",")])])
         bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w) for b, w in
                                 itertools.product([8192, 16384], [4, 8, 16, 32])])
         phases = [("fwd", fwd_cfgs, 2)] + ([] if args.fwd_only else [("bwd", bwd_cfgs, 4)])

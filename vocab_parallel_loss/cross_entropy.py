@@ -149,21 +149,12 @@ def _fused_forward(ctx, view, t, plan):
     backend, opts, memo = _triton_kernels, plan.opts, plan.memo
     n, device = t.numel(), view.tensor.device
     mean = plan.reduction == "mean"
+    count = backend.count(t, opts.ignore_index, memo) if mean else None
     dview = view if plan.inplace_backward else like_rows(view)
     buf = torch.empty((2, n), dtype=torch.float32, device=device)
     loss, lse = buf[0], buf[1]
-    if n <= backend.FUSED_REDUCE_MAX:
-        # two launches: the count and a zeroed ticket, then the kernel, whose last program also
-        # reduces the loss. The state's first item is the count, so it serves as ``count``.
-        state = backend.fused_state(t, opts.ignore_index, mean, memo)
-        count = state if mean else None
-        # its own allocation: a view of ``buf`` as the output could not be changed in place
-        out = torch.empty((), dtype=torch.float32, device=device)
-        backend.forward_grad(view, dview, t, loss, lse, count, opts, memo, out=out, state=state)
-    else:
-        count = backend.count(t, opts.ignore_index, memo) if mean else None
-        backend.forward_grad(view, dview, t, loss, lse, count, opts, memo)
-        out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count)
+    backend.forward_grad(view, dview, t, loss, lse, count, opts, memo)
+    out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count)
     if plan.inplace_backward:
         # the logits now hold the gradient: make any later use of them fail loudly
         torch.autograd.graph.increment_version(view.tensor)

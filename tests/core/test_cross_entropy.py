@@ -371,19 +371,14 @@ def test_reduced_loss_leaf_gradient_is_not_copied(impl):
 
 @pytest.mark.parametrize("upstream", [1.0, 0.25])
 @pytest.mark.parametrize("per_sm", [0, 4])
-@pytest.mark.parametrize("reduce_in_kernel", [True, False])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, per_sm,
-                                                  reduce_in_kernel, reduction):
+def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, per_sm):
     if impl != "triton":
         pytest.skip("the fused path is Triton's")
     kernels = ce_mod._triton_kernels
     default = kernels.fused_config
-    if not reduce_in_kernel:  # the long-N path: count, fused kernel, then a separate reduction
-        monkeypatch.setattr(kernels, "FUSED_REDUCE_MAX", 0)
     # per_sm=4: a grid of 8 programs (the interpreter counts 2 multiprocessors) loops over rows,
-    # and blocks shorter than the row make both passes read whole blocks and then a tail
-    small = dict(BLOCK=512, GRAD_BLOCK=1024) if per_sm else {}
+    # with blocks shorter than the row read as whole blocks without a mask and then a tail
+    small = dict(BLOCK=512, GRAD_BLOCK=1024, SPLIT=True) if per_sm else {}
     monkeypatch.setattr(kernels, "fused_config", lambda v, d, ls=False: dict(
         default(v, d, ls), programs_per_sm=per_sm, **small))
     logits = make_logits((7, 3, 2053), torch.bfloat16, "sbv_transposed").requires_grad_()
@@ -394,11 +389,12 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
         monkeypatch.setenv(ce_mod.FUSED_ENV, fused)
         monkeypatch.setattr(ce_mod, "_plans", {})
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-            loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1)
+            loss = cross_entropy(logits, target, reduction="mean", label_smoothing=0.1)
         grads[fused] = (loss, *torch.autograd.grad(loss, logits, torch.tensor(upstream)))
     # the fused path saved its gradient (one more N x V tensor than the two passes)
     assert sum(t.numel() == logits.numel() for t in saved) == 3
-    assert torch.equal(grads["1"][0], grads["0"][0])
+    # the sum of logits (label smoothing) may be added in another order
+    torch.testing.assert_close(grads["1"][0], grads["0"][0], rtol=1e-6, atol=0)
     assert torch.equal(grads["1"][1], grads["0"][1])  # the same fp32 formula, rounded once
 
 

@@ -44,49 +44,25 @@ def _row_start(row, D1, s0, s1):
 
 
 @triton.jit
-def _stats_step(x, x_summed, m, s, sum_x, HAS_SMOOTHING: tl.constexpr):
-    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running (max, sum exp, sum of logits) per
-    tile row; ``x_summed`` is ``x`` with any padding zeroed (it is only read with smoothing)."""
-    m_new = tl.maximum(m, tl.max(x, 1))
-    # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
-    s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
-    if HAS_SMOOTHING:
-        sum_x += tl.sum(x_summed, 1)
-    return m_new, s, sum_x
-
-
-@triton.jit
-def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr, KEEP: tl.constexpr = False):
-    """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
-
-    A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
-    elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
-    the reductions over ``VEC`` stay inside a thread: no shared-memory round trip per block, and
-    one ``exp2`` per element (plus one per ``VEC`` elements to rescale). Tile rows are merged once,
-    at the end. ``KEEP`` marks the loads to stay in L2 (the fused kernel reads the row twice).
-    """
-    # the target logit first: its latency then overlaps the streaming loop instead of
-    # trailing it (worth several % on short TP shards). A masked scalar load: a target outside
-    # this shard (or outside the vocabulary) is never read.
-    in_shard = (t_local >= 0) & (t_local < V_local)
-    x_t = tl.load(x_row + tl.where(in_shard, t_local, 0), mask=in_shard, other=0.0).to(tl.float32)
-    x_t = tl.where(in_shard, x_t, 0.0)
+def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+                     VEC: tl.constexpr, KEEP: tl.constexpr):
+    """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
+    instructions per element, which label smoothing's fused kernel needs (its first pass also
+    sums the logits). The sum of logits is kept per element and reduced once, at the end: a
+    per-block reduction of the loaded tile crashed Triton 3.6's thread-locality pass for fp32."""
     offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK // VEC], tl.float32)
-    sum_x = tl.zeros([BLOCK // VEC], tl.float32)
-    # whole blocks without a mask (the bounds test and, with smoothing, the select that keeps
-    # the padding out of the sum of logits are per-element instructions), then the tail
+    sum_x = tl.zeros([BLOCK // VEC, VEC], tl.float32)
     n_full = V_local // BLOCK
     for b in range(0, n_full):
-        if KEEP:  # read again right after (the fused kernel): leave the row in L2
+        if KEEP:
             x = tl.load(x_row + b * BLOCK + offs, eviction_policy="evict_last").to(tl.float32)
         else:
             x = tl.load(x_row + b * BLOCK + offs, eviction_policy="evict_first").to(tl.float32)
-        m, s, sum_x = _stats_step(x, x, m, s, sum_x, HAS_SMOOTHING)
+        m, s = _stats_step(x, m, s)
+        if HAS_SMOOTHING:
+            sum_x += x
     if n_full * BLOCK < V_local:
         idx = n_full * BLOCK + offs
         mask = idx < V_local
@@ -96,7 +72,64 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
         else:
             x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
                         eviction_policy="evict_first").to(tl.float32)
-        m, s, sum_x = _stats_step(x, tl.where(mask, x, 0.0), m, s, sum_x, HAS_SMOOTHING)
+        m, s = _stats_step(x, m, s)
+        if HAS_SMOOTHING:
+            sum_x += tl.where(mask, x, 0.0)
+    return m, s, tl.sum(sum_x, 1)
+
+
+@triton.jit
+def _stats_step(x, m, s):
+    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
+    return m_new, s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
+
+
+@triton.jit
+def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
+               VEC: tl.constexpr, KEEP: tl.constexpr = False, SPLIT: tl.constexpr = False):
+    """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
+
+    A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
+    elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
+    the reductions over ``VEC`` stay inside a thread: no shared-memory round trip per block, and
+    one ``exp2`` per element (plus one per ``VEC`` elements to rescale). Tile rows are merged once,
+    at the end. ``KEEP`` marks the loads to stay in L2 (the fused kernel reads the row twice).
+    ``SPLIT`` reads whole blocks without a mask and then the tail (``_row_stats_split``).
+    """
+    # the target logit first: its latency then overlaps the streaming loop instead of
+    # trailing it (worth several % on short TP shards). A masked scalar load: a target outside
+    # this shard (or outside the vocabulary) is never read.
+    in_shard = (t_local >= 0) & (t_local < V_local)
+    x_t = tl.load(x_row + tl.where(in_shard, t_local, 0), mask=in_shard, other=0.0).to(tl.float32)
+    x_t = tl.where(in_shard, x_t, 0.0)
+    if SPLIT:
+        m, s, sum_x = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, KEEP)
+    else:
+        offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
+        m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK // VEC], tl.float32)
+        sum_x = tl.zeros([BLOCK // VEC], tl.float32)
+        for start in range(0, V_local, BLOCK):
+            idx = start + offs
+            mask = idx < V_local
+            if KEEP:  # read again right after (the fused kernel): leave the row in L2
+                x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
+                            eviction_policy="evict_last").to(tl.float32)
+            else:
+                x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
+                            eviction_policy="evict_first").to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, 1))
+            # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
+            s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
+            m = m_new
+            if HAS_SMOOTHING:
+                sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
     m_row = tl.max(m, 0)
     m_row_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
     s_row = tl.sum(s * tl.exp2((m - m_row_safe) * 1.4426950408889634), 0)
@@ -132,12 +165,13 @@ def _ce_forward_kernel(
     N, V_local, D1, s0, s1, tgt_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     FINALIZE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-    BLOCK: tl.constexpr, VEC: tl.constexpr,
+    BLOCK: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
-    m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK, VEC)
+    m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK, VEC,
+                                  False, SPLIT)
     if FINALIZE:
         # one shard holds the whole vocabulary: the loss comes straight out
         lse = m + tl.log2(s) * 0.6931471805599453
@@ -190,7 +224,12 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
     One program in a fixed order: deterministic, and one launch instead of the five PyTorch ops
     (count, two sums, clamp, divide) that cost ~8 us of host time each.
     """
-    total = _sum_losses(loss_ptr, N, BLOCK)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        idx = start + offs
+        acc += tl.load(loss_ptr + idx, mask=idx < N, other=0.0)
+    total = tl.sum(acc, 0)
     if MEAN:
         if COUNTED:  # the count is in count_ptr already
             c = tl.load(count_ptr)
@@ -335,34 +374,17 @@ def _count_kept(tgt_ptr, N, tgt_stride, ignore_index, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ce_count_kernel(tgt_ptr, count_ptr, N, tgt_stride, ignore_index, COUNT: tl.constexpr,
-                     BLOCK: tl.constexpr):
-    """``count_ptr[0]``: the count of kept targets (when ``COUNT``); ``count_ptr[1]``: zeroed, the
-    ticket of the fused kernel's last-program reduction (it must be 0 before every launch)."""
-    if COUNT:
-        tl.store(count_ptr, _count_kept(tgt_ptr, N, tgt_stride, ignore_index, BLOCK))
-    tl.store(count_ptr + 1, tl.zeros([], tl.int64))
-
-
-@triton.jit
-def _sum_losses(loss_ptr, N, BLOCK: tl.constexpr):
-    """The sum of ``N`` fp32 losses in a fixed order (one program). ``.cg`` loads: the losses were
-    written by other multiprocessors, so they are read from L2, never from a stale L1 line."""
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, N, BLOCK):
-        idx = start + offs
-        acc += tl.load(loss_ptr + idx, mask=idx < N, other=0.0, cache_modifier=".cg")
-    return tl.sum(acc, 0)
+def _ce_count_kernel(tgt_ptr, count_ptr, N, tgt_stride, ignore_index, BLOCK: tl.constexpr):
+    tl.store(count_ptr, _count_kept(tgt_ptr, N, tgt_stride, ignore_index, BLOCK))
 
 
 @triton.jit
 def _ce_forward_grad_kernel(
-    x_ptr, dx_ptr, tgt_ptr, loss_ptr, lse_ptr, count_ptr, out_ptr,
+    x_ptr, dx_ptr, tgt_ptr, loss_ptr, lse_ptr, count_ptr,
     N, V_local, D1, s0, s1, d0, d1, tgt_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, REDUCE: tl.constexpr,
+    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -370,12 +392,6 @@ def _ce_forward_grad_kernel(
     later, by the same program) mostly from L2, so HBM sees 2 B read + 2 B written per element
     against 6 B for the forward-then-backward passes. The grid may be smaller than N (programs
     then loop over rows), which bounds the rows in flight and so the L2 footprint.
-
-    ``REDUCE``: the program that finishes last also writes the summed (or mean) loss to
-    ``out_ptr``, saving the reduction's launch. Each program takes a ticket from
-    ``count_ptr[1]`` (zeroed by ``_ce_count_kernel``) after its last loss store; the atomic's
-    release/acquire order those stores before the last program's reads. The sum runs in a fixed
-    order, so it is deterministic whichever program is last.
     """
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     for i in range(0, tl.cdiv(N - pid, n_prog)):
@@ -383,7 +399,8 @@ def _ce_forward_grad_kernel(
         x_row = x_ptr + _row_start(row, D1, s0, s1)
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
-        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, True)
+        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, True,
+                                      SPLIT)
         lse = m + tl.log2(s) * 0.6931471805599453
         loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
                                      z_loss, HAS_SMOOTHING, HAS_Z)
@@ -398,14 +415,6 @@ def _ce_forward_grad_kernel(
                                                  HAS_Z)
         _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local, x_t, lse,
                        coef, target_coef, uniform, valid, HAS_SMOOTHING, GRAD_BLOCK)
-    if REDUCE:
-        tl.debug_barrier()  # every thread of this program is past its stores
-        ticket = tl.atomic_add(count_ptr + 1, 1, sem="acq_rel")
-        if ticket == n_prog - 1:
-            total = _sum_losses(loss_ptr, N, 4096)
-            if MEAN:
-                total = total / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
-            tl.store(out_ptr, total)
 
 
 @triton.jit
@@ -581,14 +590,16 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
         block, grad_block, warps = 8192, 16384, 16
     else:
         block, grad_block, warps = 8192, 8192, 32
+    split = False
     if smoothing and row_bytes <= 65536:
         # the running sum of logits is one more per-vector array: 16K blocks at 8 warps spill
         # registers (1.84x the bound); 8K blocks at 16 warps were best (1.28x at 32000 columns,
         # 1.53x at 16032, tuning/fused-ls-*). Summing the logits in the second pass instead
         # (2D tiles there) was slower on every case (80bfd87, reverted).
-        block, warps = 8192, 16
+        block, grad_block, warps, split = 4096, 8192, 8, True
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
-                GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0)
+                GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0,
+                SPLIT=split)
 
 
 def count(target, ignore_index, memo=None):
@@ -597,68 +608,38 @@ def count(target, ignore_index, memo=None):
     if n > REDUCE_ONE_PROGRAM_MAX * 4:  # one program would stream too long: PyTorch's reduction
         return (target != ignore_index).sum()
     out = torch.empty((), dtype=torch.int64, device=target.device)
-    _launch_count(target, ignore_index, out, True, memo)
-    return out
-
-
-#: longest flat target whose fused launch also reduces the loss (``fused_state``): one program
-#: then sums the N losses at the kernel's end
-FUSED_REDUCE_MAX = REDUCE_ONE_PROGRAM_MAX * 4
-
-
-def fused_state(target, ignore_index, mean, memo=None):
-    """``(2,)`` int64 device buffer for one ``forward_grad(..., out=)`` call: the count of kept
-    targets (``mean`` only: it is the ``count`` of that call) and a zeroed ticket."""
-    state = torch.empty(2, dtype=torch.int64, device=target.device)
-    _launch_count(target, ignore_index, state, mean, memo)
-    return state
-
-
-def _launch_count(target, ignore_index, out, counting, memo):
-    args = (target, out, target.numel(), target.stride(0), ignore_index)
+    args = (target, out, n, target.stride(0), ignore_index)
 
     def kwargs():
-        return dict(COUNT=counting, BLOCK=4096, num_warps=16)
+        return dict(BLOCK=4096, num_warps=16)
 
     if memo is None:
         launch(_ce_count_kernel, (1,), *args, **kwargs())
     else:
-        launch_memo(memo, ("count", counting), _ce_count_kernel, (1,), args, kwargs)
+        launch_memo(memo, ("count",), _ce_count_kernel, (1,), args, kwargs)
+    return out
 
 
-def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=None,
-                 out=None, state=None):
+def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=None):
     """Per-token loss and lse, and into ``dview`` the gradient of the sum (``count`` None) or of
     the mean over ``count`` tokens, for an upstream gradient of 1: the fused path of a reduced
-    loss when one shard holds the whole vocabulary. ``config`` overrides ``fused_config``.
-
-    ``out`` and ``state``: an fp32 scalar that receives the reduced loss from the kernel's last
-    program, and the buffer of ``fused_state`` (its count is then the mean's, ``count`` only
-    says whether it is a mean); N must be at most ``FUSED_REDUCE_MAX``.
-    """
+    loss when one shard holds the whole vocabulary. ``config`` overrides ``fused_config``."""
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     mean = count is not None
-    reduce_here = out is not None
-    if reduce_here and (n > FUSED_REDUCE_MAX or state is None):
-        raise ValueError("forward_grad(out=...) needs N <= FUSED_REDUCE_MAX and the state "
-                         "buffer of fused_state()")
     cfg = dict(config or fused_config(v_local, x.dtype, opts.smoothing > 0))
     per_sm = cfg.pop("programs_per_sm")
     grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
-    args = (x, dview.tensor, target, loss, lse,
-            state if reduce_here else (count if mean else lse), out if reduce_here else lse,
+    args = (x, dview.tensor, target, loss, lse, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
 
     def kwargs():
-        return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
-                    REDUCE=reduce_here, **cfg)
+        return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0, **cfg)
 
     if memo is None or config is not None:
         launch(_ce_forward_grad_kernel, grid, *args, **kwargs())
     else:
-        launch_memo(memo, ("forward_grad", mean, reduce_here), _ce_forward_grad_kernel, grid,
-                    args, kwargs)
+        launch_memo(memo, ("forward_grad", mean), _ce_forward_grad_kernel, grid, args, kwargs)
 
 
 def scale_grad(dview, target, dloss, ignore_index, memo=None):
