@@ -449,9 +449,11 @@ def _block(v_local: int, cap: int) -> int:
 def forward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the statistics pass (tuned on the H200: scripts/tune_kernels.py)."""
     # H200 sweep (2026-12-02, scripts/tune_kernels.py): 2048-element blocks of 16-byte vectors
-    # with 4 warps were within 3% of the best on every shape (0.99-1.12x the 2 B bound)
+    # with 4 warps were within 3% of the best on every shape (0.99-1.12x the 2 B bound). Whole
+    # blocks without a mask (SPLIT) took 2-3% more off every shape (2026-12-03,
+    # tuning/h200-2026-12-03-split-*: 1.118x at 16032 columns, 1.057 at 32000, 0.99 at 128256)
     vec = 16 // dtype.itemsize
-    return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4)
+    return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4, SPLIT=True)
 
 
 @functools.lru_cache(maxsize=256)
@@ -581,7 +583,9 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
     # up to 64 KB: 8 warps reading up to 16K elements per block, so each thread has many loads
     # in flight (1.05-1.09x the bound); 128 KB rows: 16 warps, 8K / 16K blocks (1.07x fp32,
     # 1.25x bf16); longer rows: 32 warps, 8K blocks (1.34x at 128K columns, 1.37x at 256K, where
-    # rows in flight outgrow the L2). A program per row: a smaller grid was 2-10% slower.
+    # rows in flight outgrow the L2). A program per row: a smaller grid was 2-10% slower. Whole
+    # blocks without a mask (SPLIT, as in forward_config) were up to 10% slower for rows up to
+    # 64 KB and within 1-2% on longer ones (tuning/h200-2026-12-03-split-*), so it stays off.
     vec = 16 // dtype.itemsize
     row_bytes = v_local * dtype.itemsize
     if row_bytes <= 65536:
@@ -590,16 +594,17 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
         block, grad_block, warps = 8192, 16384, 16
     else:
         block, grad_block, warps = 8192, 8192, 32
-    split = False
-    if smoothing and row_bytes <= 65536:
-        # the running sum of logits is one more per-vector array: 16K blocks at 8 warps spill
-        # registers (1.84x the bound); 8K blocks at 16 warps were best (1.28x at 32000 columns,
-        # 1.53x at 16032, tuning/fused-ls-*). Summing the logits in the second pass instead
-        # (2D tiles there) was slower on every case (80bfd87, reverted).
-        block, grad_block, warps, split = 4096, 8192, 8, True
+    if smoothing and row_bytes <= 131072:
+        # the running sum of logits is one more per-vector array: 16K blocks spill registers
+        # (1.84x the bound). 4K / 8K blocks were best (tuning/h200-2026-12-03-split-*): 8 warps
+        # up to 64 KB rows (1.20x at 32000 columns, 1.14x at 16032), 16 for 128 KB rows (1.21x
+        # fp32 32000, against 1.73x with the plain config). Summing the logits in the second
+        # pass instead (2D tiles there) was slower on every case (80bfd87, reverted); whole
+        # blocks without a mask (SPLIT) were 2-15% slower here.
+        block, grad_block, warps = 4096, 8192, 8 if row_bytes <= 65536 else 16
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0,
-                SPLIT=split)
+                SPLIT=False)
 
 
 def count(target, ignore_index, memo=None):
