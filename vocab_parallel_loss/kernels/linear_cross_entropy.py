@@ -112,6 +112,10 @@ class LCEConfig:
     # M = 256 (3e-3 vs 1.3e-4 relative; scripts/diag_mm_large.py), whatever the output dtype.
     chunk_align: int = 256
     x_chunk_bytes: int = 64 * 1024 * 1024  # chunked backward: fp32 logits per cuBLAS call
+    # cuBLAS dC in bf16/fp16: straight into dC (fp32 accumulation and split-K reductions, see
+    # _Fp32Reductions, so it is rounded once), or (True) through an fp32 staging buffer and a
+    # copy: 64 MiB more memory and a pass over dC, for the same result
+    dc_staging: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -625,7 +629,8 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
     if _use_torch_mm(a, cfg, "mm"):
         try:
             with _Fp32Reductions():
-                if a.dtype == torch.float32:
+                if a.dtype == torch.float32 or (tmp is None and out.dtype == a.dtype):
+                    # fp32 accumulation, rounded once into out (fp32 split-K reductions)
                     torch.mm(a, b, out=out)
                 elif out.dtype == torch.float32:
                     torch.mm(a, b, out_dtype=torch.float32, out=out)
@@ -704,8 +709,9 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 
 
 def _needs_dc_staging(e: torch.Tensor, cfg: LCEConfig) -> bool:
-    """cuBLAS computes dC in fp32 into a staging buffer, then rounds once into ``dc``."""
-    return _use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32
+    """``cfg.dc_staging``: cuBLAS computes dC in fp32 into a staging buffer, then it is rounded
+    into ``dc``."""
+    return cfg.dc_staging and _use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32
 
 
 def _dc_staging(e: torch.Tensor, cols: int, cfg: LCEConfig):
