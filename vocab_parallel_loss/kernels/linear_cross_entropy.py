@@ -97,9 +97,7 @@ class LCEConfig:
     mm_group_m: int = 8
     mm_warps: int = 8
     mm_stages: int = 4
-    # 120 MiB: the dlogits chunk (3840 columns at N = 16384) and the fp32 dE accumulator stay
-    # under 0.25 GiB next to the gradients (with 128 MiB: 0.2502)
-    chunk_bytes: int = 120 * 1024 * 1024
+    chunk_bytes: int = 128 * 1024 * 1024
     matmul: str = "torch"
     grad_in_forward: str = "never"
     gif_rows: int = 4096
@@ -676,11 +674,10 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         raise ValueError(f"bwd_mode must be 'fused' or 'chunked', got {cfg.bwd_mode!r}")
     BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h
     _check_tiles(BN, BV, BH)
-    # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes, the chunks as
-    # even as that allows (no short last chunk: its GEMMs would run at a poor rate)
+    # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes.
     per_col = N * e.element_size()
     vc = max(BV, (cfg.chunk_bytes // max(per_col, 1)) // BV * BV)
-    vc = triton.cdiv(triton.cdiv(V, triton.cdiv(V, vc)), BV) * BV
+    vc = min(vc, triton.cdiv(V, BV) * BV)
     d = torch.empty((N, vc), dtype=e.dtype, device=dev)
     tmp, tmp_rows = _dc_staging(e, vc, cfg) if need_dc else (None, vc)
     num_rb = triton.cdiv(N, BN)
