@@ -122,12 +122,7 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
             else:
                 x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
                             eviction_policy="evict_first").to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, 1))
-            # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
-            s = s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
-            m = m_new
+            m, s = _stats_step(x, m, s)
             if HAS_SMOOTHING:
                 sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
     m_row = tl.max(m, 0)
