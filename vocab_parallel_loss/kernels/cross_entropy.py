@@ -66,16 +66,22 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
     if n_full * BLOCK < V_local:
         idx = n_full * BLOCK + offs
         mask = idx < V_local
-        if KEEP:
-            x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
-                        eviction_policy="evict_last").to(tl.float32)
-        else:
-            x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
-                        eviction_policy="evict_first").to(tl.float32)
+        x = _load_masked(x_row + idx, mask, KEEP)
         m, s = _stats_step(x, m, s)
         if HAS_SMOOTHING:
             sum_x += tl.where(mask, x, 0.0)
     return m, s, tl.sum(sum_x, 1)
+
+
+@triton.jit
+def _load_masked(ptrs, mask, KEEP: tl.constexpr):
+    """A row block in fp32, -inf past the row's end. ``KEEP``: the row is read again right after
+    (the fused kernel), so it is left in L2; else it is evicted first."""
+    if KEEP:
+        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
+    else:
+        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+    return x.to(tl.float32)
 
 
 @triton.jit
@@ -116,12 +122,7 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
         for start in range(0, V_local, BLOCK):
             idx = start + offs
             mask = idx < V_local
-            if KEEP:  # read again right after (the fused kernel): leave the row in L2
-                x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
-                            eviction_policy="evict_last").to(tl.float32)
-            else:
-                x = tl.load(x_row + idx, mask=mask, other=float("-inf"),
-                            eviction_policy="evict_first").to(tl.float32)
+            x = _load_masked(x_row + idx, mask, KEEP)
             m, s = _stats_step(x, m, s)
             if HAS_SMOOTHING:
                 sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
