@@ -83,11 +83,13 @@ def test_bf16_real_shapes(impl, reduction, n, h, v):
     _close_grads(grads, wgrads, 1e-2)
 
 
-@pytest.mark.parametrize("matmul,mode", [("triton", "fused"), ("torch", "fused"),
-                                          ("torch", "chunked"), ("triton", "chunked")])
-def test_all_options_and_matmul_backends(matmul, mode, monkeypatch):
+@pytest.mark.parametrize("matmul,mode,staging", [
+    ("triton", "fused", False), ("torch", "fused", False), ("torch", "fused", True),
+    ("torch", "chunked", False), ("triton", "chunked", False)])
+def test_all_options_and_matmul_backends(matmul, mode, staging, monkeypatch):
+    # staging: cuBLAS's dC through an fp32 buffer instead of straight into bf16
     cfg = K.default_config(torch.device("cuda")).replace(matmul=matmul, fwd_mode=mode,
-                                                         bwd_mode=mode)
+                                                         bwd_mode=mode, dc_staging=staging)
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
     e, c, b, t, up = _case(2048, 2048, 32003, bias=True)  # odd V: masked last tile
     kw = dict(reduction="none", softcap=30.0, label_smoothing=0.1, z_loss=1e-4)
