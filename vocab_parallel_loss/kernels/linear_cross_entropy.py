@@ -57,10 +57,11 @@ class LCEConfig:
     gradient GEMMs. ``split``: vocabulary splits per row block in the forward (0 = choose so that
     the grid covers ``4 x`` the multiprocessors). ``chunk_bytes``: size of the ``(N, Vc)`` dlogits
     buffer in backward (bigger = fewer, larger GEMMs; extra memory). ``matmul``: the two gradient
-    GEMMs in ``"triton"`` (``_mm_kernel``) or ``"torch"`` (cuBLAS through ``torch.addmm`` /
-    ``torch.mm`` with ``out_dtype=torch.float32``: fp32 accumulation and output, so ``dE``
-    accumulates in fp32 and ``dC`` is rounded once; falls back to Triton where that overload is
-    missing). CPU (interpreter) always uses Triton.
+    GEMMs in ``"triton"`` (``_mm_kernel``) or ``"torch"`` (cuBLAS: ``torch.addmm`` with
+    ``out_dtype=torch.float32`` accumulates ``dE`` in fp32, falling back to Triton where that
+    overload is missing; ``torch.mm`` writes ``dC`` in the input dtype from fp32 accumulation
+    and fp32 split-K reductions, so it is rounded once; ``dc_staging`` routes it through an fp32
+    buffer instead). CPU (interpreter) always uses Triton.
 
     ``grad_in_forward``: ``"never"`` (default), ``"auto"`` or ``"always"``. For a scalar loss
     (``reduction`` mean or sum) that needs gradients, form both gradients already in forward
