@@ -44,6 +44,27 @@ def _row_start(row, D1, s0, s1):
 
 
 @triton.jit
+def _load_masked(ptrs, mask, KEEP: tl.constexpr):
+    """A row block in fp32, -inf past the row's end. ``KEEP``: the row is read again right after
+    (the fused kernel), so it is left in L2; else it is evicted first."""
+    if KEEP:
+        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
+    else:
+        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_first")
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _stats_step(x, m, s):
+    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials."""
+    m_new = tl.maximum(m, tl.max(x, 1))
+    # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
+    return m_new, s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
+
+
+@triton.jit
 def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
                      VEC: tl.constexpr, KEEP: tl.constexpr):
     """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
@@ -71,27 +92,6 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
         if HAS_SMOOTHING:
             sum_x += tl.where(mask, x, 0.0)
     return m, s, tl.sum(sum_x, 1)
-
-
-@triton.jit
-def _load_masked(ptrs, mask, KEEP: tl.constexpr):
-    """A row block in fp32, -inf past the row's end. ``KEEP``: the row is read again right after
-    (the fused kernel), so it is left in L2; else it is evicted first."""
-    if KEEP:
-        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
-    else:
-        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-    return x.to(tl.float32)
-
-
-@triton.jit
-def _stats_step(x, m, s):
-    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials."""
-    m_new = tl.maximum(m, tl.max(x, 1))
-    # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
-    return m_new, s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
 
 
 @triton.jit
