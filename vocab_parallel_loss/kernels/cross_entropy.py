@@ -68,9 +68,10 @@ def _stats_step(x, m, s):
 def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
                      VEC: tl.constexpr, KEEP: tl.constexpr):
     """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
-    instructions per element, which label smoothing's fused kernel needs (its first pass also
-    sums the logits). The sum of logits is kept per element and reduced once, at the end: a
-    per-block reduction of the loaded tile crashed Triton 3.6's thread-locality pass for fp32."""
+    instructions per element (2-3% off the per-token forward kernel; the fused kernel, where a
+    row is one or two blocks, was slower with it: see ``fused_config``). The sum of logits is
+    kept per element and reduced once, at the end: a per-block reduction of the loaded tile
+    crashed Triton 3.6's thread-locality pass for fp32."""
     offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK // VEC], tl.float32)
