@@ -41,10 +41,13 @@ def main() -> None:
     x = torch.randn(8, 128, requires_grad=True)
     xd = x.detach()
     t = torch.randint(0, 128, (8,))
+    x2 = torch.randn(4, 2, 128).transpose(0, 1).requires_grad_()  # Megatron's [s, b, v] view
+    t2 = torch.randint(0, 128, (2, 4))
     rows = {
         "torch.empty(8) x2": lambda: (torch.empty(8), torch.empty(8)),
         "cross_entropy(none), no grad": lambda: cross_entropy(xd, t),
         "cross_entropy(none)": lambda: cross_entropy(x, t),
+        "cross_entropy(none), [s, b] target": lambda: cross_entropy(x2, t2),
         "cross_entropy(mean)": lambda: cross_entropy(x, t, reduction="mean"),
         "fwd+bwd (none)": lambda: torch.autograd.grad(cross_entropy(x, t).sum(), x),
         "fwd+bwd (mean)": lambda: torch.autograd.grad(cross_entropy(x, t, reduction="mean"), x),
