@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Stage quack-kernels (a benchmark peer) on the GPU machine, in two device calls.
+#
+# quack needs nvidia-cutlass-dsl 4.8.1 with its CUDA 13 libraries (nvidia-cutlass-dsl-libs-cu13:
+# 237 MB unpacked, 61 MiB as tar.xz), more than one device call may carry next to the working
+# tree and the other wheels (64 MiB). So the libraries travel as two parts, in two calls made
+# while the machine stays warm (/tmp survives between them):
+#
+#   here, once:      bash scripts/stage_quack.sh pack
+#                    (wheels into .whl/, the libraries as .whl/quack/libs_cu13.tar.xz.part00/01)
+#   device call 1:   bash scripts/stage_quack.sh keep .whl/quack/libs_cu13.tar.xz.part00
+#                    (carry that part only)
+#   device call 2:   bash scripts/stage_quack.sh unpack .whl/quack/libs_cu13.tar.xz.part01 /tmp/site
+#                    (carry the other part and the .whl/*.whl it needs), then in the same call
+#                    install the wheels into /tmp/site and run scripts/bench.py.
+set -euo pipefail
+
+STAGE=/tmp/vpl_quack_stage
+cmd=${1:-}
+
+case "$cmd" in
+  pack)
+    cd "$(dirname "$0")/.."
+    plat=(--only-binary=:all: --python-version 3.12 --implementation cp
+          --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
+          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+    python3 -m pip download -q --no-deps "${plat[@]}" -d .whl quack-kernels==0.6.5 \
+      nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 apache-tvm-ffi==0.1.15.post2 \
+      torch-c-dlpack-ext==0.1.5 einops==0.8.2
+    tmp=$(mktemp -d)
+    python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp" nvidia-cutlass-dsl-libs-cu13==4.8.1
+    mkdir -p "$tmp/x" .whl/quack
+    python3 -m zipfile -e "$tmp"/nvidia_cutlass_dsl_libs_cu13-*.whl "$tmp/x"
+    rm -f .whl/quack/libs_cu13.tar.xz.part*
+    tar cf - -C "$tmp/x" . | xz -9e -T0 | split -b 31M -d - .whl/quack/libs_cu13.tar.xz.part
+    rm -rf "$tmp"
+    ls -l .whl/quack
+    ;;
+  keep)  # device call 1: put the first part aside
+    mkdir -p "$STAGE"
+    cp "$2" "$STAGE/"
+    ls -l "$STAGE"
+    ;;
+  unpack)  # device call 2: the kept part(s) and this one, in order, into the target folder
+    target=${3:?usage: stage_quack.sh unpack PART TARGET}
+    mkdir -p "$target"
+    cp "$2" "$STAGE/"
+    cat "$STAGE"/libs_cu13.tar.xz.part* | xz -d | tar xf - -C "$target"
+    ls "$target/nvidia_cutlass_dsl"
+    ;;
+  *)
+    echo "usage: $0 pack | keep PART | unpack PART TARGET" >&2
+    exit 2
+    ;;
+esac
