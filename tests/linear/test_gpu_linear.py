@@ -245,3 +245,23 @@ def test_reduced_precision_flags_are_restored():
     _run(e, c, b, t, up, reduction="mean", impl="triton")
     assert (m.allow_bf16_reduced_precision_reduction,
             m.allow_fp16_reduced_precision_reduction) == before
+
+
+
+@pytest.mark.parametrize("m,k,n", [(256, 65536, 512), (4096, 16384, 4096)])
+def test_dc_gemm_rounds_once(m, k, n):
+    """``gemm_store`` into a bf16 output (how dC is written) is an fp32-accumulated product
+    rounded once. Where |x| >= 64 the fp32 accumulation error (~3e-3 at K = 65536) is below
+    0.03 bf16 ulp, so rounding once stays within ~0.53 ulp of the fp64 product; the long K
+    invites split-K, and partial sums reduced in bf16 would land past 0.6 ulp."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    a = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    K.gemm_store(out, a, b, K.default_config(a.device), None)
+    exact = a.double() @ b.double()
+    big = exact.abs() >= 64
+    assert int(big.sum()) > exact.numel() // 2
+    ulp = torch.exp2(torch.floor(torch.log2(exact[big].abs())) - 7)  # bf16: 8 significant bits
+    err_ulp = (out.double()[big] - exact[big]).abs() / ulp
+    assert float(err_ulp.max()) <= 0.6, float(err_ulp.max())
