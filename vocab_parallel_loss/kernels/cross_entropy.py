@@ -264,7 +264,8 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
     read meets first the blocks the first read left in L2 last (the tail block first, then
     whole blocks without a mask); an ignored row takes a branch that stores zeros; the target
     column's term is not tested per element but written once at the end, from ``x_t`` (the
-    same value as the column's element), after a barrier orders it behind the row's stores."""
+    same value as the column's element), after a barrier orders it behind the row's stores.
+    Also the backward kernel's loop with ``LEAN``."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
