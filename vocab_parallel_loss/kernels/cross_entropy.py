@@ -44,6 +44,15 @@ def _row_start(row, D1, s0, s1):
 
 
 @triton.jit
+def _target_logit(x_row, t_local, V_local):
+    """The row's logit at ``t_local`` in fp32, or 0 when the target is outside this shard (or
+    the vocabulary): a masked scalar load, so such a target is never read."""
+    in_shard = (t_local >= 0) & (t_local < V_local)
+    x_t = tl.load(x_row + tl.where(in_shard, t_local, 0), mask=in_shard, other=0.0)
+    return tl.where(in_shard, x_t.to(tl.float32), 0.0)
+
+
+@triton.jit
 def _load_masked(ptrs, mask, KEEP: tl.constexpr):
     """A row block in fp32, -inf past the row's end. ``KEEP``: the row is read again right after
     (the fused kernel), so it is left in L2; else it is evicted first."""
@@ -108,11 +117,8 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
     ``SPLIT`` reads whole blocks without a mask and then the tail (``_row_stats_split``).
     """
     # the target logit first: its latency then overlaps the streaming loop instead of
-    # trailing it (worth several % on short TP shards). A masked scalar load: a target outside
-    # this shard (or outside the vocabulary) is never read.
-    in_shard = (t_local >= 0) & (t_local < V_local)
-    x_t = tl.load(x_row + tl.where(in_shard, t_local, 0), mask=in_shard, other=0.0).to(tl.float32)
-    x_t = tl.where(in_shard, x_t, 0.0)
+    # trailing it (worth several % on short TP shards)
+    x_t = _target_logit(x_row, t_local, V_local)
     if SPLIT:
         m, s, sum_x = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, KEEP)
     else:
@@ -357,9 +363,7 @@ def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D
     t_local = t - vocab_start
     valid = t != ignore_index
     if LEAN:  # the target logit before any store: the gradient may overwrite the logits
-        in_shard = (t_local >= 0) & (t_local < V_local)
-        x_t = tl.load(x_row + tl.where(in_shard, t_local, 0), mask=in_shard,
-                      other=0.0).to(tl.float32)
+        x_t = _target_logit(x_row, t_local, V_local)
     if MEAN:
         g = g / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
