@@ -41,7 +41,6 @@ def main() -> None:
     ap.add_argument("--fwd-warps", default="2,4,8")
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--fwd-split", default="0", help="SPLIT values of the forward, e.g. 0,1")
-    ap.add_argument("--bwd-lean", default="0", help="LEAN values of the backward, e.g. 0,1")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
@@ -68,9 +67,8 @@ def main() -> None:
                                     [int(b) for b in args.fwd_blocks.split(",")], [8],
                                     [int(w) for w in args.fwd_warps.split(",")],
                                     [int(sp) for sp in args.fwd_split.split(",")])])
-        bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w, LEAN=bool(ln)) for b, w, ln in
-                                itertools.product([8192, 16384], [4, 8, 16, 32],
-                                                  [int(ln) for ln in args.bwd_lean.split(",")])])
+        bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w) for b, w in
+                                itertools.product([8192, 16384], [4, 8, 16, 32])])
         phases = [("fwd", fwd_cfgs, 2)] + ([] if args.fwd_only else [("bwd", bwd_cfgs, 4)])
         for phase, cfgs, bytes_per in phases:
             best = None

@@ -398,38 +398,6 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
     assert torch.equal(grads["1"][1], grads["0"][1])  # the same fp32 formula, rounded once
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("smoothing,z_loss", [(0.0, 0.0), (0.1, 1e-3)])
-def test_lean_backward_loop_equals_the_plain_one(impl, monkeypatch, inplace, smoothing, z_loss):
-    """The backward kernel's LEAN option (the fused kernel's loop) writes the same gradient
-    bitwise, on every rank's shard (targets inside and outside it, ignored ones), in place too."""
-    if impl != "triton":
-        pytest.skip("a Triton kernel option")
-    from vocab_parallel_loss._layout import like_rows, row_view
-    from vocab_parallel_loss._options import LossOptions
-
-    kernels = ce_mod._triton_kernels
-    v_local, shards = 203, 3
-    g = torch.Generator().manual_seed(3)
-    dloss = torch.rand(15, generator=g)
-    target = make_target((5, 3), v_local * shards).reshape(-1)
-    for rank in range(shards):
-        opts = LossOptions(rank * v_local, v_local * shards, -100, smoothing, z_loss)
-        x = make_logits((5, 3, v_local), torch.bfloat16, "sbv_transposed", seed=rank)
-        lse = torch.logsumexp(x.float(), -1).reshape(-1) + 1.0  # as if other shards held more
-        grads = {}
-        for lean in (False, True):
-            # 64-element blocks: three whole blocks and a tail per row
-            monkeypatch.setattr(kernels, "backward_config",
-                                lambda v, d, lean=lean: dict(BLOCK=64, num_warps=4, LEAN=lean))
-            view = row_view(x.clone() if inplace else x)
-            dview = view if inplace else like_rows(view)
-            kernels.backward(view, dview, target, lse, dloss, None, opts)
-            grads[lean] = dview.tensor
-        assert torch.equal(grads[False], grads[True])
-        assert grads[True].abs().sum() > 0
-
-
 def test_cached_call_plans_keep_every_check(impl):
     """Calls with a signature seen before skip the checks (a cached plan): every call that
     differs in what the checks look at must still be checked."""

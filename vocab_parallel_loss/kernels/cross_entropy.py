@@ -271,7 +271,8 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
     whole blocks without a mask); an ignored row takes a branch that stores zeros; the target
     column's term is not tested per element but written once at the end, from ``x_t`` (the
     same value as the column's element), after a barrier orders it behind the row's stores.
-    Also the backward kernel's loop with ``LEAN``."""
+    (As the backward kernel's loop it is 3-10% slower than ``_row_grad``: there the plain loop
+    is not instruction-bound; tuning/h200-2026-12-03-bwd-lean.*.)"""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
@@ -321,13 +322,9 @@ def _ce_backward_kernel(
     N, V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    UNLESS_UNIT: tl.constexpr = False, LEAN: tl.constexpr = False,
+    UNLESS_UNIT: tl.constexpr = False,
 ):
     """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once.
-
-    ``LEAN``: each row through ``_row_grad_lean`` (the fused kernel's loop: no per-element target
-    or ignore test, unmasked whole blocks; the same values bitwise), with the target logit read
-    first. An option for ``backward_config``, to be measured against the plain loop.
 
     ``UNLESS_UNIT``: ``dx`` already holds the gradient for an upstream gradient of 1 (written by
     ``_ce_forward_grad_kernel``); rows are rewritten only when the scalar upstream gradient is
@@ -342,38 +339,31 @@ def _ce_backward_kernel(
             for i in range(0, tl.cdiv(N - pid, n_prog)):
                 _backward_row(pid + i * n_prog, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr,
                               V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
-                              ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK,
-                              LEAN)
+                              ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
     else:
         row = tl.program_id(0)
         g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
         _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
                       d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
-                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LEAN)
+                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
 
 
 @triton.jit
 def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1, d0,
                   d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
                   MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-                  BLOCK: tl.constexpr, LEAN: tl.constexpr):
+                  BLOCK: tl.constexpr):
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     dx_row = dx_ptr + _row_start(row, D1, d0, d1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
     t_local = t - vocab_start
     valid = t != ignore_index
-    if LEAN:  # the target logit before any store: the gradient may overwrite the logits
-        x_t = _target_logit(x_row, t_local, V_local)
     if MEAN:
         g = g / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
     coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
-    if LEAN:
-        _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform,
-                       valid, HAS_SMOOTHING, BLOCK)
-    else:
-        _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-                  HAS_SMOOTHING, BLOCK)
+    _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
+              HAS_SMOOTHING, BLOCK)
 
 
 @triton.jit
@@ -475,11 +465,13 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
 @functools.lru_cache(maxsize=256)
 def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
-    # the H200 sweep (2026-12-02): 8K-16K blocks; 32 warps on long rows, 8 on TP-sized shards.
-    # LEAN (the fused kernel's loop) is not measured on this pass yet: off
+    # the H200 sweeps (tuning/h200-2026-12-0[23]-*): 8K-16K blocks; 32 warps on rows over 16K
+    # columns (at 32000: 506 us against 520 with 8 warps, in three sweeps), 8 on 16K shards
     if v_local > 32768:
-        return dict(BLOCK=8192, num_warps=32, LEAN=False)
-    return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4, LEAN=False)
+        return dict(BLOCK=8192, num_warps=32)
+    if v_local > 16384:
+        return dict(BLOCK=16384, num_warps=32)
+    return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4)
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
