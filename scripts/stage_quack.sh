@@ -9,10 +9,15 @@
 #   here, once:      bash scripts/stage_quack.sh pack
 #                    (wheels into .whl/, the libraries as .whl/quack/libs_cu13.tar.xz.part00/01)
 #   device call 1:   bash scripts/stage_quack.sh keep .whl/quack/libs_cu13.tar.xz.part00
-#                    (carry that part only)
+#                    (carry that part and .whl/all, a folder of hard links to the wheels), and
+#                    install .whl/all/*.whl into /tmp/site (pip --target) in the same call
 #   device call 2:   bash scripts/stage_quack.sh unpack .whl/quack/libs_cu13.tar.xz.part01 /tmp/site
-#                    (carry the other part and the .whl/*.whl it needs), then in the same call
-#                    install the wheels into /tmp/site and run scripts/bench.py.
+#                    (carry the other part), then run scripts/bench.py with
+#                    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
+#                    (pip --target skips the .pth file that puts dsl_packages on the path).
+#
+# The Python side of the DSL is in nvidia-cutlass-dsl-libs-core, which needs cuda-bindings and
+# protobuf; pack downloads them too.
 set -euo pipefail
 
 STAGE=/tmp/vpl_quack_stage
@@ -26,7 +31,9 @@ case "$cmd" in
           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
     python3 -m pip download -q --no-deps "${plat[@]}" -d .whl quack-kernels==0.6.5 \
       nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 apache-tvm-ffi==0.1.15.post2 \
-      torch-c-dlpack-ext==0.1.5 einops==0.8.2
+      torch-c-dlpack-ext==0.1.5 einops==0.8.2 nvidia-cutlass-dsl-libs-core==4.8.1 \
+      "cuda-bindings>=13,<14" protobuf
+    mkdir -p .whl/all && ln -f .whl/*.whl .whl/all/
     tmp=$(mktemp -d)
     python3 -m pip download -q --no-deps "${plat[@]}" -d "$tmp" nvidia-cutlass-dsl-libs-cu13==4.8.1
     mkdir -p "$tmp/x" .whl/quack
