@@ -154,7 +154,7 @@ def _fused_forward(ctx, view, t, plan):
     buf = torch.empty((2, n), dtype=torch.float32, device=device)
     loss, lse = buf[0], buf[1]
     backend.forward_grad(view, dview, t, loss, lse, count, opts, memo)
-    out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count)
+    out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count, chained=True)
     if plan.inplace_backward:
         # the logits now hold the gradient: make any later use of them fail loudly
         torch.autograd.graph.increment_version(view.tensor)

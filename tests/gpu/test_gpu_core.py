@@ -112,6 +112,47 @@ def test_fused_path_reductions_are_deterministic(n, reduction):
     assert torch.equal(again, first.expand(50))
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chained_launches_match_plain_ones(reduction, inplace, monkeypatch):
+    """Programmatic dependent launch (count -> fused kernel -> reduction, compute capability 9+)
+    gives bitwise the loss and gradient of plain launches. The targets differ from call to call
+    in how many are ignored, so a fused kernel that read the count before the count kernel
+    wrote it would scale the gradient with a stale count."""
+    import importlib
+
+    from vocab_parallel_loss.kernels import _launch
+    from vocab_parallel_loss.kernels import cross_entropy as K
+
+    if not K._pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs compute capability 9.0+")
+    ce_mod = importlib.import_module("vocab_parallel_loss.cross_entropy")
+    x, _, _ = _case(8192, 16032, torch.bfloat16)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    targets = []
+    for k in range(12):
+        t = torch.randint(0, 16032, (8192,), device="cuda", generator=g)
+        t[torch.rand(8192, device="cuda", generator=g) < k / 12] = -100
+        targets.append(t)
+
+    def run(t):
+        xr = x.clone().requires_grad_()
+        loss = cross_entropy(xr, t, reduction=reduction, inplace_backward=inplace)
+        loss.backward()
+        return loss.detach(), xr.grad
+
+    chained = [run(t) for t in targets]
+    if _launch._enabled and reduction == "mean":  # the fast path's keys hold the keywords
+        keys = _launch._caches[K._ce_forward_grad_kernel].keys()
+        assert any(("launch_pdl", True) in key for key in keys)
+    monkeypatch.setattr(K, "_pdl", lambda device: False)
+    monkeypatch.setattr(ce_mod, "_plans", {})  # the cached plans remember chained launches
+    for t, (loss, grad) in zip(targets, chained):
+        plain_loss, plain_grad = run(t)
+        assert torch.equal(loss, plain_loss)
+        assert torch.equal(grad, plain_grad)
+
+
 @pytest.mark.parametrize("reduction", ["none", "mean"])
 def test_cuda_graph_capture_and_replay(reduction):
     x, t, up = _case(2048, 32000, torch.bfloat16)
