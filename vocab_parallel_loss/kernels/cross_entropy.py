@@ -638,7 +638,8 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
 #: Up to this many tokens ``count`` is one single-program launch, else PyTorch's reduction
 COUNT_ONE_PROGRAM_MAX = REDUCE_ONE_PROGRAM_MAX * 4
 
-#: ``VPL_PDL=0`` turns programmatic dependent launch off (``_pdl``)
+#: ``VPL_PDL=1`` turns programmatic dependent launch on (``_pdl``); off by default until it is
+#: measured on the H200
 PDL_ENV = "VPL_PDL"
 
 
@@ -659,7 +660,7 @@ def _pdl(device: torch.device) -> bool:
     """
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if os.environ.get(PDL_ENV, "1") == "0" or not hasattr(tl.extra.cuda, "gdc_wait"):
+    if os.environ.get(PDL_ENV, "0") != "1" or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
