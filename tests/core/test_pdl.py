@@ -21,8 +21,8 @@ from vocab_parallel_loss.kernels import cross_entropy as K
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("env,on", [(None, False), ("0", False), ("1", True)])
-def test_on_only_when_asked_and_never_off_cuda(monkeypatch, env, on):
+@pytest.mark.parametrize("env,on", [(None, True), ("0", False), ("1", True)])
+def test_on_unless_turned_off_and_never_off_cuda(monkeypatch, env, on):
     K._pdl.cache_clear()
     try:
         if env is None:
