@@ -164,6 +164,16 @@ class Device:
     def name(self) -> str:
         return torch.cuda.get_device_name() if self.cuda else (platform.processor() or "cpu")
 
+    def sm_clock_mhz(self) -> Optional[int]:
+        """The SM clock now (NVML through torch; None without pynvml or a GPU): sampled in the
+        middle of the timed reps, to tell a slow GPU from a slow kernel."""
+        if not self.cuda:
+            return None
+        try:
+            return int(torch.cuda.clock_rate(self.torch))
+        except Exception:  # pynvml missing, or NVML unavailable here
+            return None
+
 
 class Env:
     """Lazily created process state shared by adapters: the 1-rank process group, Megatron."""
@@ -409,6 +419,7 @@ class Result:
     loss_err: Optional[float] = None
     grad_err: Optional[float] = None
     loss_dtype: Optional[str] = None
+    sm_clock_mhz: Optional[int] = None  # mid-way through the timed reps
 
 
 def bytes_per_element(case: Case, path: str) -> int:
@@ -472,6 +483,8 @@ def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: Reference, dev:
         c = dev.stamp()
         stamps.append((a, b, c))
         del loss, grad
+        if len(stamps) == reps // 2 + 1:  # the GPU still has reps queued: its working clock
+            res.sm_clock_mhz = dev.sm_clock_mhz()
     dev.sync()
     res.fwd_ms = statistics.median(dev.ms(a, b) for a, b, _ in stamps)
     res.bwd_ms = statistics.median(dev.ms(b, c) for _, b, c in stamps)
@@ -888,7 +901,8 @@ def main(argv=None) -> dict:
                         res.bw_fraction = 1.0 / res.ratio
                         log(f"{case.name:>20} {path:4} {name:16} fwd {res.fwd_ms:8.3f} bwd "
                             f"{res.bwd_ms:8.3f} total {res.total_ms:8.3f} ms  ratio {res.ratio:5.2f}  "
-                            f"mem {_fmt(res.mem_x_logits, '.2f'):>5}  err {res.loss_err:.1e}/{res.grad_err:.1e}")
+                            f"mem {_fmt(res.mem_x_logits, '.2f'):>5}  err {res.loss_err:.1e}/{res.grad_err:.1e}"
+                            + (f"  sm {res.sm_clock_mhz} MHz" if res.sm_clock_mhz else ""))
                     except Exception as e:
                         res.status = "error"
                         res.note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
