@@ -409,7 +409,8 @@ def _ce_forward_grad_kernel(
     then loop over rows), which bounds the rows in flight and so the L2 footprint.
 
     ``GDC``: launched while the count kernel still runs (``_pdl``); the first read of a row
-    overlaps it, and the count is read only after ``gdc_wait``.
+    overlaps it, and the count is read only after ``gdc_wait``. The grid is never larger than
+    N, so every program waits at least once: this kernel never ends before the count kernel.
     """
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     for i in range(0, tl.cdiv(N - pid, n_prog)):
