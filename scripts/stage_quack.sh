@@ -54,6 +54,10 @@ case "$cmd" in
     cp "$2" "$STAGE/"
     cat "$STAGE"/libs_cu13.tar.xz.part* | xz -d | tar xf - -C "$target"
     ls "$target/nvidia_cutlass_dsl"
+    # fail here, not in the middle of a benchmark, when a piece is missing (the wheels went into
+    # the same folder in call 1)
+    PYTHONPATH="$target:$target/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" \
+      python3 -c "import quack.cross_entropy, quack.linear_cross_entropy; print('quack imports')"
     ;;
   *)
     echo "usage: $0 pack | keep PART | unpack PART TARGET" >&2
