@@ -19,10 +19,10 @@ Reduced losses (``"mean"``/``"sum"``) on one shard need no per-token upstream gr
 ``_ce_forward_grad_kernel`` writes their gradient during forward: each row is read twice by the
 same program, the second time from L2, so HBM sees 4 B/element instead of 6 (1.05-1.09x the 4 B
 bound on the H200 for rows up to 64 KB). Backward then acts only when the scalar upstream
-gradient is not 1, a test made on the device. With tensor parallelism the row's statistics need
-the collective first, so the two passes stay. A ``"mean"`` there is three launches (count,
-fused kernel, reduction), chained on Hopper and later with programmatic dependent launch
-(``_pdl``) so that the count and the launch gaps overlap the fused kernel.
+gradient is not 1, a test made on the device. A ``"mean"`` on this path is three launches
+(count, fused kernel, reduction), chained on Hopper and later with programmatic dependent launch
+(``_pdl``) so that the count and the launch gaps overlap the fused kernel. With tensor
+parallelism the row's statistics need the collective first, so the two passes stay.
 """
 
 from __future__ import annotations
