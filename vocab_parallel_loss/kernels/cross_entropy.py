@@ -641,6 +641,12 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
 #: Up to this many tokens ``count`` is one single-program launch, else PyTorch's reduction
 COUNT_ONE_PROGRAM_MAX = REDUCE_ONE_PROGRAM_MAX * 4
 
+
+def _counts_in_one_program(n: int) -> bool:
+    """Whether ``count`` of ``n`` targets launches our kernel (a fused kernel may be chained to
+    it, ``_pdl``), rather than PyTorch's reduction."""
+    return n <= COUNT_ONE_PROGRAM_MAX
+
 #: ``VPL_PDL=0`` turns programmatic dependent launch off (``_pdl``)
 PDL_ENV = "VPL_PDL"
 
@@ -678,7 +684,7 @@ def _chain(on: bool) -> dict:
 def count(target, ignore_index, memo=None):
     """The int64 device scalar count of targets that are not ``ignore_index``."""
     n = target.numel()
-    if n > COUNT_ONE_PROGRAM_MAX:  # one program would stream too long: PyTorch's reduction
+    if not _counts_in_one_program(n):  # one program would stream too long
         return (target != ignore_index).sum()
     out = torch.empty((), dtype=torch.int64, device=target.device)
     args = (target, out, n, target.stride(0), ignore_index)
@@ -709,7 +715,7 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
 
     # chained to the count kernel only (``_pdl``: not after PyTorch's count)
-    chain = _chain(mean and n <= COUNT_ONE_PROGRAM_MAX and _pdl(x.device))
+    chain = _chain(mean and _counts_in_one_program(n) and _pdl(x.device))
 
     def kwargs():
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0, **cfg,
