@@ -68,18 +68,12 @@ def _load_masked(ptrs, mask, KEEP: tl.constexpr):
 
 @triton.jit
 def _stats_step(x, m, s):
-    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials.
-
-    The exponent is ``x * log2(e) - m * log2(e)``, one FMA per element, rather than
-    ``(x - m) * log2(e)``, two instructions: the fused kernel is close to instruction-bound. The
-    shift ``m2`` is rounded once per tile row and used for the element terms and the rescale
-    alike, so it only scales the row's sum by a common factor within an ulp of ``m * log2(e)``
-    (the gradient pass already forms its exponent the same way)."""
+    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials."""
     m_new = tl.maximum(m, tl.max(x, 1))
     # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
-    m2 = tl.where(m_new == float("-inf"), 0.0, m_new) * 1.4426950408889634
-    p = tl.exp2(x * 1.4426950408889634 - m2[:, None])
-    return m_new, s * tl.exp2(m * 1.4426950408889634 - m2) + tl.sum(p, 1)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
+    return m_new, s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
 
 
 @triton.jit
