@@ -121,12 +121,17 @@ PATHS = ("none", "mean")
 class Device:
     """Timing, synchronisation and memory statistics for CUDA, with a perf_counter CPU stand-in."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, flush: str = "dirty"):
         self.kind = kind
         self.cuda = kind == "cuda"
         self.torch = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        # 256 MiB zeroed before each timed rep evicts the logits' tail from L2 (60 MB on the H200)
+        # 256 MiB zeroed before each timed rep evicts the logits' tail from L2 (60 MB on the H200),
+        # as triton.testing.do_bench does; that leaves L2 dirty, and the timed forward pays for
+        # writing it back (13 us of a 135 us kernel: scripts/diag_l2_flush.py). "clean" reads
+        # another 256 MiB after the zeroing, untimed, so the write-back happens before the rep.
         self._flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.torch) if self.cuda else None
+        self._sweep = (torch.ones(128 << 20, dtype=torch.bfloat16, device=self.torch)
+                       if self.cuda and flush == "clean" else None)
 
     def sync(self) -> None:
         if self.cuda:
@@ -135,6 +140,8 @@ class Device:
     def flush_l2(self) -> None:
         if self._flush is not None:
             self._flush.zero_()
+        if self._sweep is not None:
+            torch.amax(self._sweep)
 
     def stamp(self):
         if self.cuda:
@@ -661,7 +668,8 @@ def write_markdown(report: dict, path: Path) -> None:
              "(read + write). Ratio = total / (B x N x V / BW), B = 6 B/element per-token and "
              "4 B reduced for bf16 (x2 for fp32); mem = peak over the inputs, gradient left "
              "behind included, in units of the logits' bytes; errors are max abs vs an fp32 "
-             "PyTorch reference.", "",
+             "PyTorch reference." + (" L2 flush: clean (its write-back is not timed)."
+                                     if m.get("flush") == "clean" else ""), "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".", ""]
     notes = [f"- {k}: {v}" for k, v in report.get("notes", {}).items()]
     lines += notes + [""] * bool(notes)
@@ -778,6 +786,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int)
     p.add_argument("--bw-gib", type=float, default=2.0, help="copy buffer for the bandwidth")
     p.add_argument("--no-extras", action="store_true", help="skip collective and host overhead")
+    p.add_argument("--flush", choices=("dirty", "clean"), default="dirty",
+                   help="L2 before each rep: zeroed 256 MiB left dirty (default, as do_bench), "
+                        "or that followed by an untimed read so its write-back is not timed")
     p.add_argument("--max-seconds", type=float,
                    help="stop starting new shapes after this many seconds (results so far are kept)")
     args = p.parse_args(argv)
@@ -808,7 +819,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --dry-run for the CPU pipeline check")
-    dev = Device("cpu" if args.dry_run else "cuda")
+    dev = Device("cpu" if args.dry_run else "cuda", args.flush)
     # torch.compile (and megatron's jit_fuser when it is torch.compile) compiles once per shape
     # and path: more graphs per function than dynamo's default limit of 8
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -823,7 +834,8 @@ def main(argv=None) -> dict:
     except ImportError:
         triton_version = None
     now = datetime.datetime.now(datetime.timezone.utc)
-    stem = f"{slug(dev.name())}-{now:%Y-%m-%d}" + ("-quick" if args.quick else "")
+    stem = (f"{slug(dev.name())}-{now:%Y-%m-%d}" + ("-quick" if args.quick else "")
+            + ("-clean-l2" if args.flush == "clean" else ""))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     files = {k: args.out_dir / f"{stem}.{k}" for k in ("json", "md", "png")}
 
@@ -846,6 +858,7 @@ def main(argv=None) -> dict:
     report = {
         "meta": {"device": dev.name(), "device_slug": slug(dev.name()), "date": f"{now:%Y-%m-%d}",
                  "time_utc": now.isoformat(timespec="seconds"), "mode": args.mode,
+                 "flush": args.flush,
                  "torch": torch.__version__, "triton": triton_version,
                  "cuda": torch.version.cuda, "python": platform.python_version(),
                  "commit": _commit(), "source_hash": _source_hash(),

@@ -42,6 +42,22 @@ def test_off_under_the_interpreter():
     assert _launch._enabled is False and _launch.counts["fast"] == before
 
 
+def test_int_pointers_are_found_in_this_tritons_launcher(tmp_path):
+    """Every Triton the fast path accepts (3.3-3.9) passes an int pointer through as is; the
+    check must find that in the installed launcher's source, and not find it elsewhere."""
+    assert _launch._takes_int_pointers()
+    (tmp_path / "driver.c").write_text(
+        "bool extractPointer(void *ptr, PyObject *obj) {\n"
+        "  PyObject *ret = PyObject_CallMethodNoArgs(obj, data_ptr_str);\n}\n")
+    assert not _launch._takes_int_pointers(str(tmp_path))
+    (tmp_path / "driver.py").write_text(  # 3.6's launcher: a C template in a Python string
+        'src = """static inline DevicePtrInfo getPointer(PyObject *obj, int idx) {{\n'
+        "  if (PyLong_Check(obj)) {{\n"
+        "    ptr_info.dev_ptr = PyLong_AsUnsignedLongLong(obj);\n"
+        '    return ptr_info;\n  }}"""\n')
+    assert _launch._takes_int_pointers(str(tmp_path))
+
+
 def test_env_var_turns_it_off():
     code = "from vocab_parallel_loss.kernels import _launch; print(_launch._enabled)"
     env = dict(os.environ, VPL_FAST_LAUNCH="0")

@@ -269,6 +269,7 @@ def test_fast_launch_is_taken_and_bitwise_equal(kw):
     finally:
         _launch.set_enabled(True)
     assert enabled, "the fast launch path is not supported by this Triton"
+    assert _launch._int_pointers, "this Triton's launcher was not found to take int pointers"
     # forward and backward; a mean on one shard: count, fused forward+gradient, reduction, and
     # the backward that acts only when the upstream gradient is not 1
     per_case = 2 if kw.get("reduction", "none") == "none" else 4

@@ -22,6 +22,10 @@ its source), and whose own specializer agrees with the key on probe values. It i
 ``TRITON_INTERPRET=1``, with ``VPL_FAST_LAUNCH=0``, and for any call while a launch hook (a
 profiler), a pre-run hook or a stages-inspection hook is set.
 
+Pointer arguments go to the launcher as the ints ``data_ptr()`` gives, where its source shows
+that it takes them as they are (``_takes_int_pointers``): for a tensor it would call
+``data_ptr()`` again and ask the driver about the address, per pointer and launch.
+
 Compile options that Triton reads from its knobs (``TRITON_DEBUG``, instrumentation) are those of
 the first launch of each key: changing them at run time needs ``VPL_FAST_LAUNCH=0``.
 """
@@ -48,6 +52,7 @@ _MAX_KEYS = 64  # per kernel; past it new keys go through Triton (never expected
 _I32 = 2**31
 _U64 = 2**63
 _driver = None  # (get_current_device, get_current_stream)
+_int_pointers = False  # the launcher takes a pointer argument as a plain int (_takes_int_pointers)
 _hook_owners: tuple = ()  # objects whose launch_enter_hook / launch_exit_hook must be unset
 _knobs_runtime = None
 _HookChain = None
@@ -110,17 +115,23 @@ def _relaunch(bound, grid, args) -> bool:
     device = _driver[0]()
     if device != bound.device:
         return False
+    ptrs = []
     i = 0
     for dtype, aligned in bound.tensor_key:
         a = args[i]
-        if a.dtype != dtype or (a.data_ptr() % 16 == 0) != aligned:
+        ptr = a.data_ptr()
+        if a.dtype != dtype or (ptr % 16 == 0) != aligned:
             return False
+        ptrs.append(ptr)
         i += 1
     counts["fast"] += 1
     run, function, metadata, tail, _ = bound.entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *args, *tail)
+    if not _int_pointers:
+        ptrs = args[:n]
+    run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *ptrs,
+        *args[n:], *tail)
     return True
 
 
@@ -152,6 +163,8 @@ def _launch(kernel, grid, args, kwargs):
     run, function, metadata, tail, _ = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
+    if _int_pointers:
+        args = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]
     # no hook is set (checked above): no launch metadata, no hooks, as JITFunction.run would
     run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *args, *tail)
     return entry, device
@@ -222,7 +235,7 @@ def _decide() -> None:
 
 def _supported() -> bool:
     """Whether this Triton launches the way ``launch`` reproduces (see the module docstring)."""
-    global _driver, _hook_owners, _knobs_runtime, _HookChain, _JITFunction
+    global _driver, _hook_owners, _knobs_runtime, _HookChain, _JITFunction, _int_pointers
     if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
         return False
     if torch.version.hip is not None:  # AMD specializes pointers on more than alignment
@@ -256,7 +269,33 @@ def _supported() -> bool:
         return False
     _JITFunction = jit.JITFunction
     _driver = (active.get_current_device, active.get_current_stream)
+    _int_pointers = _takes_int_pointers()
     return True
+
+
+def _takes_int_pointers(folder=None) -> bool:
+    """Whether this Triton's CUDA launcher takes a plain int for a pointer argument as is.
+
+    For a tensor it calls ``data_ptr()`` and then asks the driver to check the address
+    (``cuPointerGetAttribute``), per pointer and per launch; for an int it does neither. A
+    remembered launch has read every tensor's ``data_ptr()`` already (for the alignment test)
+    and the loss has checked that the tensors are CUDA tensors of one device, so passing those
+    ints saves the launcher that work (Triton 3.3-3.9: the int branch comes first in its
+    pointer extraction, in the C source checked here)."""
+    if folder is None:
+        from triton.backends import nvidia
+
+        folder = os.path.dirname(nvidia.__file__)
+    for name in ("driver.c", "driver.py"):  # the launcher's C source: a file (3.5+) or a template
+        try:
+            with open(os.path.join(folder, name)) as f:
+                src = re.sub(r"\s+", "", f.read())
+        except OSError:
+            continue
+        if re.search(r"if\(PyLong_Check\(obj\)\)\{+[^;{}]*=PyLong_AsUnsignedLongLong\(obj\);"
+                     r"return", src):
+            return True
+    return False
 
 
 def _specializer_agrees(device="cuda") -> bool:
