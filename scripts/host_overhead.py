@@ -8,7 +8,8 @@ off), and the Triton hooks found set are printed.
 
 Each figure is the mean CPU time per call over many calls on a tiny input (the GPU work is
 negligible, so this is the launch-bound cost a small model or a short sequence pays), with the
-fast launch path of kernels/_launch.py on and off (as with ``VPL_FAST_LAUNCH=0``).
+fast launch path of kernels/_launch.py on, on but handing the launcher tensors instead of the
+pointer ints, and off (as with ``VPL_FAST_LAUNCH=0``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,14 @@ def _import_first() -> None:
         print(f"triton {hook}: {getattr(h, 'calls', h)}")
 
 
+def _set_mode(mode: str) -> None:
+    """The launch path: "fast", "tensor ptrs" (fast, but tensors to the launcher) or "off"."""
+    _launch.set_enabled(mode != "off")
+    if mode != "off":
+        _launch._decide()  # decides now, so that the setting below is not undone at first use
+        _launch._int_pointers = _launch._enabled and mode == "fast" and _launch._takes_int_pointers()
+
+
 def main() -> None:
     _import_first()
     x = torch.randn(8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -72,15 +81,16 @@ def main() -> None:
         "cross_entropy(mean)": lambda: cross_entropy(x, t, reduction="mean"),
         "fwd+bwd (none)": lambda: torch.autograd.grad(cross_entropy(x, t).sum(), x),
     }
-    print(f"{'':32s} {'fast launch':>12s} {'off':>9s}   (best of 3 alternating runs)")
+    print(f"{'':32s} {'fast launch':>12s} {'tensor ptrs':>12s} {'off':>9s}   (best of 3 "
+          "alternating runs; tensor ptrs: the fast path handing the launcher tensors, not ints)")
     for name, fn in rows.items():
-        on, off = [], []
+        times = {"fast": [], "tensor ptrs": [], "off": []}
         for _ in range(3):  # alternate, so that drift of the host does not favour one side
-            _launch.set_enabled(True)
-            on.append(per_call_us(fn))
-            _launch.set_enabled(False)
-            off.append(per_call_us(fn))
-        print(f"{name:32s} {min(on):9.1f} us {min(off):6.1f} us", flush=True)
+            for mode, out in times.items():
+                _set_mode(mode)
+                out.append(per_call_us(fn))
+        print(f"{name:32s} {min(times['fast']):9.1f} us {min(times['tensor ptrs']):9.1f} us "
+              f"{min(times['off']):6.1f} us", flush=True)
     # the floor: Triton's compiled launcher called with ready arguments (no key, no lookup)
     _launch.set_enabled(True)
     K.forward(view, t, opts, None, loss, lse)
@@ -92,10 +102,15 @@ def main() -> None:
         # exactly K.forward's arguments
         args = (x, t, loss, loss, lse, 8, 128, view.D1, view.s0, view.s1, t.stride(0), 0, 128,
                 -100, 0.0, 0.0)
-        floor = min(per_call_us(lambda: run(8, 1, 1, stream, function, metadata, None, None,
-                                            None, *args, *tail)) for _ in range(3))
-        print(f"{'compiled launcher alone':32s} {floor:9.1f} us", flush=True)
-    _launch.set_enabled(True)
+        ints = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        floors = {"ints": [], "tensors": []}
+        for _ in range(3):
+            for kind, a in (("ints", ints), ("tensors", args)):
+                floors[kind].append(per_call_us(lambda a=a: run(
+                    8, 1, 1, stream, function, metadata, None, None, None, *a, *tail)))
+        print(f"{'compiled launcher alone':32s} {min(floors['ints']):9.1f} us "
+              f"{min(floors['tensors']):9.1f} us  (pointers as ints / as tensors)", flush=True)
+    _set_mode("fast")
     fn = rows["cross_entropy(none)"]
     before = dict(_launch.counts)
     fn()
