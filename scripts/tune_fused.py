@@ -40,6 +40,8 @@ def main() -> None:
     ap.add_argument("--stages", default="", help="also sweep num_stages, e.g. 1,2,3")
     ap.add_argument("--split", default="0,1",
                     help="SPLIT values: whole blocks without a mask, then the tail")
+    ap.add_argument("--sum-in-grad", default="0,1",
+                    help="SUM_IN_GRAD values (label smoothing: sum of logits in the second pass)")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
@@ -71,13 +73,14 @@ def main() -> None:
         results.append(dict(shape=spec, impl="two_pass", ms=ms2, ratio=ms2 / bound_ms))
         vec = 16 // dtype.itemsize
         blocks = [tuple(int(b) for b in pair.split(":")) for pair in args.blocks.split(",")]
+        sums = [int(x) for x in args.sum_in_grad.split(",")] if args.smoothing else [0]
         cfgs = [dict(BLOCK=b, VEC=vec, GRAD_BLOCK=gb, num_warps=w, programs_per_sm=p,
-                     SPLIT=bool(sp), **({"num_stages": st} if st else {}))
-                for st, (b, gb), w, p, sp in itertools.product(
+                     SPLIT=bool(sp), SUM_IN_GRAD=bool(sg), **({"num_stages": st} if st else {}))
+                for st, (b, gb), w, p, sp, sg in itertools.product(
                     [int(x) for x in args.stages.split(",") if x] or [0], blocks,
                     [int(w) for w in args.warps.split(",")],
                     [int(p) for p in args.per_sm.split(",")],
-                    [int(sp) for sp in args.split.split(",")])]
+                    [int(sp) for sp in args.split.split(",")], sums)]
 
         def run(cfg):
             fn = lambda: K.forward_grad(view, dview, t, loss, lse, count, opts, config=cfg)  # noqa: E731

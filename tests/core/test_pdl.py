@@ -74,14 +74,15 @@ fused_sig = {"x_ptr": "*bf16", "dx_ptr": "*bf16", "tgt_ptr": "*i64", "loss_ptr":
              "vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
              "z_loss": "fp32", "MEAN": "constexpr", "HAS_SMOOTHING": "constexpr",
              "HAS_Z": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr",
-             "GRAD_BLOCK": "constexpr", "SPLIT": "constexpr", "GDC": "constexpr"}
+             "GRAD_BLOCK": "constexpr", "SPLIT": "constexpr", "GDC": "constexpr",
+             "SUM_IN_GRAD": "constexpr"}
 print(json.dumps({
     "count": order(ptx(K._ce_count_kernel, count_sig, dict(BLOCK=4096, GDC=gdc), 16)),
     "reduce": order(ptx(K._ce_reduce_kernel, reduce_sig,
                         dict(MEAN=True, COUNTED=True, BLOCK=4096, GDC=gdc), 16)),
     "fused": order(ptx(K._ce_forward_grad_kernel, fused_sig,
                        dict(MEAN=True, HAS_SMOOTHING=False, HAS_Z=False, BLOCK=1024, VEC=8,
-                            GRAD_BLOCK=1024, SPLIT=False, GDC=gdc), 8)),
+                            GRAD_BLOCK=1024, SPLIT=False, GDC=gdc, SUM_IN_GRAD=False), 8)),
 }))
 '''
 

@@ -270,7 +270,7 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
-                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
+                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr = False):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
     two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
     (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
@@ -279,26 +279,36 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
     column's term is not tested per element but written once at the end, from ``x_t`` (the
     same value as the column's element), after a barrier orders it behind the row's stores.
     (As the backward kernel's loop it is 3-10% slower than ``_row_grad``: there the plain loop
-    is not instruction-bound; tuning/h200-2026-12-03-bwd-lean.*.)"""
+    is not instruction-bound; tuning/h200-2026-12-03-bwd-lean.*.)
+
+    ``SUM_X``: also returns the sum of the row's logits (label smoothing's loss needs it), one
+    add per element into a per-lane accumulator: the unmasked blocks need no select, and the
+    masked tail reads 0 past the row's end; an ignored row returns 0."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
     tail = n_full * BLOCK
+    acc = tl.zeros([BLOCK], tl.float32)
     if valid:
         if tail < V_local:
             idx = tail + cols
             mask = idx < V_local
-            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy="evict_first")
-            dx = coef * tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
+            x = tl.load(x_row + idx, mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
+            if SUM_X:
+                acc += x
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
-            x = tl.load(x_row + idx, eviction_policy="evict_first")
-            dx = coef * tl.exp2(x.to(tl.float32) * 1.4426950408889634 - lse2)
+            x = tl.load(x_row + idx, eviction_policy="evict_first").to(tl.float32)
+            dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
+            if SUM_X:
+                acc += x
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty))
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
@@ -312,6 +322,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         for start in range(0, V_local, BLOCK):
             idx = start + cols
             tl.store(dx_row + idx, zero, mask=idx < V_local)
+    return tl.sum(acc, 0)
 
 
 @triton.jit
@@ -401,7 +412,7 @@ def _ce_forward_grad_kernel(
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
     VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, SPLIT: tl.constexpr = False,
-    GDC: tl.constexpr = False,
+    GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False,
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -413,6 +424,10 @@ def _ce_forward_grad_kernel(
     ``GDC``: launched while the count kernel still runs (``_pdl``); the first read of a row
     overlaps it, and the count is read only after ``gdc_wait``. The grid is never larger than
     N, so every program waits at least once: this kernel never ends before the count kernel.
+
+    ``SUM_IN_GRAD`` (label smoothing): the sum of logits is taken in the second pass
+    (``_row_grad_lean``'s ``SUM_X``) rather than the first, so the first pass is the plain one,
+    and the loss is stored after the second.
     """
     pid, n_prog = tl.program_id(0), tl.num_programs(0)
     for i in range(0, tl.cdiv(N - pid, n_prog)):
@@ -420,12 +435,19 @@ def _ce_forward_grad_kernel(
         x_row = x_ptr + _row_start(row, D1, s0, s1)
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
-        m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC, True,
-                                      SPLIT)
-        lse = m + tl.log2(s) * 0.6931471805599453
-        loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
-                                     z_loss, HAS_SMOOTHING, HAS_Z)
-        tl.store(loss_ptr + row, loss)
+        if SUM_IN_GRAD:
+            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, True, SPLIT)
+        else:
+            m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
+                                          True, SPLIT)
+        lse_raw = m + tl.log2(s) * 0.6931471805599453
+        if SUM_IN_GRAD:  # the lse now (NaN for an out-of-range target), the loss after pass 2
+            _, lse = _loss_from_stats(t, lse_raw, x_t, 0.0, V_global, ignore_index, smoothing,
+                                      z_loss, False, HAS_Z)
+        else:
+            loss, lse = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index,
+                                         smoothing, z_loss, HAS_SMOOTHING, HAS_Z)
+            tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         g = 1.0
         if MEAN:
@@ -436,8 +458,13 @@ def _ce_forward_grad_kernel(
         lse = tl.where(valid, lse, 0.0)
         coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
                                                  HAS_Z)
-        _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local, x_t, lse,
-                       coef, target_coef, uniform, valid, HAS_SMOOTHING, GRAD_BLOCK)
+        sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
+                               x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
+                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING)
+        if SUM_IN_GRAD:
+            loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
+                                       z_loss, HAS_SMOOTHING, HAS_Z)
+            tl.store(loss_ptr + row, loss)
 
 
 @triton.jit
@@ -625,17 +652,17 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
         block, grad_block, warps = 8192, 16384, 16
     else:
         block, grad_block, warps = 8192, 8192, 32
-    if smoothing and row_bytes <= 131072:
-        # the running sum of logits is one more per-vector array: 16K blocks spill registers
-        # (1.84x the bound). 4K / 8K blocks were best (tuning/h200-2026-12-03-split-*): 8 warps
-        # up to 64 KB rows (1.20x at 32000 columns, 1.14x at 16032), 16 for 128 KB rows (1.21x
-        # fp32 32000, against 1.73x with the plain config). Summing the logits in the second
-        # pass instead (2D tiles there) was slower on every case (80bfd87, reverted); whole
-        # blocks without a mask (SPLIT) were 2-15% slower here.
-        block, grad_block, warps = 4096, 8192, 8 if row_bytes <= 65536 else 16
+    # Label smoothing needs the row's sum of logits. Summed in the first pass (one more
+    # per-vector array, and a select per element for the masked loads), the plain config spills
+    # registers (ptxas for sm_90: 255 registers and 336 B spilled at 16K blocks and 8 warps, 1.84x
+    # the bound), so 4K / 8K blocks were used (1.20x at 32000 columns). Summed in the second pass
+    # into a per-lane accumulator (SUM_IN_GRAD), the first pass is the plain one and the plain
+    # config fits (236 registers, none spilled). Longer rows keep the first-pass sum (their
+    # config already has small blocks).
+    sum_in_grad = smoothing and row_bytes <= 131072
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0,
-                SPLIT=False)
+                SPLIT=False, SUM_IN_GRAD=sum_in_grad)
 
 
 #: Up to this many tokens ``count`` is one single-program launch, else PyTorch's reduction
