@@ -653,13 +653,19 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
     else:
         block, grad_block, warps = 8192, 8192, 32
     # Label smoothing needs the row's sum of logits. Summed in the first pass (one more
-    # per-vector array, and a select per element for the masked loads), the plain config spills
-    # registers (ptxas for sm_90: 255 registers and 336 B spilled at 16K blocks and 8 warps, 1.84x
-    # the bound), so 4K / 8K blocks were used (1.20x at 32000 columns). Summed in the second pass
-    # into a per-lane accumulator (SUM_IN_GRAD), the first pass is the plain one and the plain
-    # config fits (236 registers, none spilled). Longer rows keep the first-pass sum (their
-    # config already has small blocks).
-    sum_in_grad = smoothing and row_bytes <= 131072
+    # per-vector array, and a select per element for the masked loads) the plain config spills
+    # registers (ptxas for sm_90: 255 registers and 336 B spilled at 16K blocks and 8 warps; 1.84x
+    # the bound), so 4K / 8K blocks are used there. Summed in the second pass into a per-lane
+    # accumulator (SUM_IN_GRAD) nothing spills (236 registers), and on the H200
+    # (tuning/h200-2026-12-03-sum-in-grad/) 16K / 8K blocks with it are best for 64 KB rows
+    # (1.12x against 1.20x at 32000 columns; 1.15x end to end, 1.23x before), while shorter rows
+    # and fp32 128 KB rows keep the first-pass sum (1.14x against 1.22x at 16032 columns, 1.22x
+    # against 1.41x for fp32); longer rows keep the first-pass sum with their plain config.
+    sum_in_grad = smoothing and 32768 < row_bytes <= 65536
+    if sum_in_grad:
+        block, grad_block, warps = 16384, 8192, 8
+    elif smoothing and row_bytes <= 131072:
+        block, grad_block, warps = 4096, 8192, 8 if row_bytes <= 65536 else 16
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0,
                 SPLIT=False, SUM_IN_GRAD=sum_in_grad)
