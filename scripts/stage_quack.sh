@@ -56,8 +56,11 @@ case "$cmd" in
     ls "$target/nvidia_cutlass_dsl"
     # fail here, not in the middle of a benchmark, when a piece is missing (the wheels went into
     # the same folder in call 1)
-    PYTHONPATH="$target:$target/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" \
-      python3 -c "import quack.cross_entropy, quack.linear_cross_entropy; print('quack imports')"
+    # (quack 0.6.5's linear cross entropy does not import with DSL 4.8.1: a warning, since the
+    # cross-entropy bench does not need it)
+    export PYTHONPATH="$target:$target/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+    python3 -c "import quack.cross_entropy; print('quack.cross_entropy imports')"
+    python3 -c "import quack.linear_cross_entropy" 2>&1 | tail -1 | sed 's/^/warning: quack.linear_cross_entropy: /' || true
     ;;
   *)
     echo "usage: $0 pack | keep PART | unpack PART TARGET" >&2
