@@ -661,6 +661,8 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
     # (1.12x against 1.20x at 32000 columns; 1.15x end to end, 1.23x before), while shorter rows
     # and fp32 128 KB rows keep the first-pass sum (1.14x against 1.22x at 16032 columns, 1.22x
     # against 1.41x for fp32); longer rows keep the first-pass sum with their plain config.
+    # (80bfd87 summed in the second pass over 2D tiles with 16K / 16K blocks: slower; whole
+    # blocks without a mask, SPLIT, were 2-15% slower with label smoothing.)
     sum_in_grad = smoothing and 32768 < row_bytes <= 65536
     if sum_in_grad:
         block, grad_block, warps = 16384, 8192, 8
