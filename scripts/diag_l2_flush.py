@@ -23,19 +23,7 @@ from vocab_parallel_loss._layout import like_rows, row_view
 from vocab_parallel_loss._options import LossOptions
 from vocab_parallel_loss.kernels import cross_entropy as K
 
-
-def copy_bandwidth() -> float:
-    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(20):
-        b.copy_(a)
-    end.record()
-    torch.cuda.synchronize()
-    return 2 * a.numel() * 20 / (start.elapsed_time(end) * 1e-3)
+from tune_kernels import copy_bandwidth  # scripts/ is on the path when run as a script
 
 
 def timed(fn, mode: str, flush, sweep, reps: int) -> float:
