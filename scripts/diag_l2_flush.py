@@ -23,17 +23,16 @@ from vocab_parallel_loss._layout import like_rows, row_view
 from vocab_parallel_loss._options import LossOptions
 from vocab_parallel_loss.kernels import cross_entropy as K
 
-from tune_kernels import copy_bandwidth  # scripts/ is on the path when run as a script
+from bench import Device  # scripts/ is on the path when run as a script
+from tune_kernels import copy_bandwidth
 
 
-def timed(fn, mode: str, flush, sweep, reps: int) -> float:
-    """Median ms of ``fn`` over ``reps``, each after the flush (and the sweep in mode "clean")."""
+def timed(fn, dev, reps: int) -> float:
+    """Median ms of ``fn`` over ``reps``, each after ``dev``'s L2 flush."""
     events = []
     for _ in range(reps):
         torch.cuda._sleep(200_000)  # keeps the GPU ahead of the host: no launch gap is timed
-        flush.zero_()
-        if mode == "clean":
-            torch.amax(sweep)  # reads 256 MiB: the flush's dirty lines go back to HBM now
+        dev.flush_l2()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -51,8 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    sweep = torch.ones(128 << 20, dtype=torch.bfloat16, device="cuda")
+    devices = {mode: Device("cuda", mode) for mode in ("dirty", "clean")}  # bench.py's flushes
     rows = []
     for spec in args.shapes.split(","):
         n, v = (int(d) for d in spec.split("x"))
@@ -70,8 +68,8 @@ def main() -> None:
         for phase, (fn, bytes_per) in phases.items():
             fn()
             bound_ms = bytes_per * n * v / bw * 1e3
-            for mode in ("dirty", "clean"):
-                ms = timed(fn, mode, flush, sweep, args.reps)
+            for mode, dev in devices.items():
+                ms = timed(fn, dev, args.reps)
                 rows.append(dict(n=n, v=v, phase=phase, mode=mode, ms=ms, ratio=ms / bound_ms))
                 print(f"{n}x{v} {phase} {mode}: {ms * 1e3:.1f} us, {ms / bound_ms:.3f}x the bound",
                       flush=True)

@@ -117,21 +117,19 @@ def _relaunch(bound, grid, args) -> bool:
     device = _driver[0]()
     if device != bound.device:
         return False
-    ptrs = []
+    ptrs = []  # what the launcher gets for the tensors: their addresses, or themselves
     i = 0
     for dtype, aligned in bound.tensor_key:
         a = args[i]
         ptr = a.data_ptr()
         if a.dtype != dtype or (ptr % 16 == 0) != aligned:
             return False
-        ptrs.append(ptr)
+        ptrs.append(ptr if _int_pointers else a)
         i += 1
     counts["fast"] += 1
     run, function, metadata, tail, _ = bound.entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    if not _int_pointers:
-        ptrs = args[:n]
     run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *ptrs,
         *args[n:], *tail)
     return True

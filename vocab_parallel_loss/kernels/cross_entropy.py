@@ -435,18 +435,17 @@ def _ce_forward_grad_kernel(
         x_row = x_ptr + _row_start(row, D1, s0, s1)
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
-        if SUM_IN_GRAD:
-            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, True, SPLIT)
-        else:
-            m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
-                                          True, SPLIT)
-        lse_raw = m + tl.log2(s) * 0.6931471805599453
         if SUM_IN_GRAD:  # the lse now (NaN for an out-of-range target), the loss after pass 2
+            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, True, SPLIT)
+            lse_raw = m + tl.log2(s) * 0.6931471805599453
             _, lse = _loss_from_stats(t, lse_raw, x_t, 0.0, V_global, ignore_index, smoothing,
                                       z_loss, False, HAS_Z)
         else:
-            loss, lse = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index,
-                                         smoothing, z_loss, HAS_SMOOTHING, HAS_Z)
+            m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
+                                          True, SPLIT)
+            loss, lse = _loss_from_stats(t, m + tl.log2(s) * 0.6931471805599453, x_t, sum_x,
+                                         V_global, ignore_index, smoothing, z_loss,
+                                         HAS_SMOOTHING, HAS_Z)
             tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         g = 1.0
