@@ -280,6 +280,22 @@ SWEEP_TILES = [
     dict(grad_in_forward="always", gif_rows=2048),
     dict(grad_in_forward="always", row_block=4096, row_warps=16),
 ]
+# TMA descriptors for E and C in the fused kernels, Triton's warp specialization of the
+# forward's vocabulary loop, and tiles that let two programs share a multiprocessor (one's
+# softmax epilogue overlapping the other's matmul): 128x128 with 4 warps and 3 stages is 96 KB.
+_D = dict(fwd_desc=True, bwd_desc=True)
+SWEEP_TMA = [
+    {},
+    _D,
+    dict(_D, fwd_warp_spec=True),
+    dict(_D, fwd_stages=4, bwd_stages=4),
+    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
+    dict(_D, fwd_block_v=128, bwd_block_v=128),
+    dict(_D, fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
+    dict(fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
+    dict(_D, fwd_warp_spec=True, fwd_stages=4),
+]
+SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA}
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):
@@ -290,6 +306,7 @@ def sweep(n, h, v, warmup, rep, sweep_list):
     up = torch.rand(n, device=DEV, generator=g) + 0.5
     base = K.default_config(e.device)
     results = []
+    ref = None  # the first config's per-token loss and gradients, to check every other one
     for delta in sweep_list:
         cfg = base.replace(**delta)
         K.OVERRIDE_CONFIG = cfg
@@ -300,15 +317,24 @@ def sweep(n, h, v, warmup, rep, sweep_list):
                     lambda: linear_cross_entropy(e, c, t, reduction=red, impl="triton"),
                     warmup, rep)
             ms, peak, gbytes, _ = measure(make_ours(), e, c, t, red, up, warmup, rep)
+            loss = linear_cross_entropy(e, c, t, reduction="none", impl="triton")
+            got = (loss.detach(), *torch.autograd.grad(loss, (e, c), up))
         except Exception as ex:
             print(f"sweep {delta}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             continue
+        if ref is None:
+            ref = got
+        # relative to the largest entry: loss, dE, dC against the first config
+        diff = [round(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), 8)
+                for a, b in zip(got, ref)]
+        del got, loss
         r = dict(delta=delta, reduction=red, fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
                  fwd_tflops=round(2 * n * h * v / fwd_ms / 1e9, 1),
                  bwd_tflops=round(6 * n * h * v / max(ms - fwd_ms, 1e-6) / 1e9, 1),
                  tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),
                  tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
-                 peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3))
+                 peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3),
+                 rel_diff_loss_de_dc=diff)
         print("sweep", json.dumps(r), flush=True)
         results.append(r)
     K.OVERRIDE_CONFIG = None
@@ -331,6 +357,8 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="sweep our tile configs first")
     ap.add_argument("--sweep-vocab", type=int, nargs="+", default=[16032])
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--sweep-set", default="modes", choices=list(SWEEPS),
+                    help="which list of config deltas --sweep runs")
     ap.add_argument("--warmup", type=int, default=25, help="ms (do_bench)")
     ap.add_argument("--rep", type=int, default=200, help="ms (do_bench)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -348,7 +376,7 @@ def main() -> None:
     if args.sweep or args.sweep_only:
         for sv in args.sweep_vocab:
             sweep_rows += [dict(r, v=sv) for r in
-                           sweep(args.n, args.h, sv, args.warmup, args.rep, SWEEP)]
+                           sweep(args.n, args.h, sv, args.warmup, args.rep, SWEEPS[args.sweep_set])]
         plain = [r for r in sweep_rows if r["reduction"] == "none"]
         if plain and len(args.sweep_vocab) == 1:  # the table's "ours" uses the best default-path config; ours_gif adds gif
             best = min(plain, key=lambda r: r["ms"])
@@ -378,12 +406,13 @@ def main() -> None:
     if sweep_rows:
         md += "\nSweep (ours; fwd = no-grad forward):\n\n"
         md += ("| V | delta | reduction | fwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | "
-               "6NHV TFLOP/s | 8NHV TFLOP/s | extra GiB |\n"
-               "|---|---|---|---|---|---|---|---|---|---|\n")
+               "6NHV TFLOP/s | 8NHV TFLOP/s | extra GiB | rel. diff loss, dE, dC vs first |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|\n")
         for r in sweep_rows:
             md += (f"| {r['v']} | `{json.dumps(r['delta'])}` | {r['reduction']} | {r['fwd_ms']} | {r['ms']} | "
                    f"{r['fwd_tflops']} | {r['bwd_tflops']} | {r['tflops_6nhv']} | "
-                   f"{r['tflops_8nhv']} | {r['peak_extra_minus_grads_GiB']} |\n")
+                   f"{r['tflops_8nhv']} | {r['peak_extra_minus_grads_GiB']} | "
+                   f"{r.get('rel_diff_loss_de_dc')} |\n")
     path.with_suffix(".md").write_text(md)
     print(md)
     print(f"wrote {path}.json and .md")

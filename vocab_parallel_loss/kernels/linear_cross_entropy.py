@@ -43,6 +43,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
 
 # ----------------------------------------------------------------------------------------------
 # Tile configurations
@@ -117,6 +122,11 @@ class LCEConfig:
     # _Fp32Reductions, so it is rounded once), or (True) through an fp32 staging buffer and a
     # copy: 64 MiB more memory and a pass over dC, for the same result
     dc_staging: bool = False
+    # fused modes: read E and C through TMA descriptors (Hopper+, aligned operands), and
+    # warp-specialize the forward's vocabulary loop (Triton's automatic producer/consumer split)
+    fwd_desc: bool = False
+    bwd_desc: bool = False
+    fwd_warp_spec: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -206,14 +216,29 @@ def _tanh(x):
 
 
 @triton.jit
-def _logits_tile(E, C, rows_ld, cols_ld, H, stride_en, stride_eh, stride_cv, stride_ch,
-                 EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """fp32 ``E[rows] @ C[cols].T``; ``rows_ld`` / ``cols_ld`` are in range (callers wrap them)."""
+def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, stride_cv,
+                 stride_ch, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 DESC: tl.constexpr):
+    """fp32 ``E[rows] @ C[cols].T``; ``rows_ld`` / ``cols_ld`` are in range (callers wrap them).
+
+    With ``DESC`` E and C are TMA tensor descriptors of ``[BLOCK_N | BLOCK_V, BLOCK_H]`` blocks
+    and the tile starts at ``(row0, col0)``: the copy engine fills rows, columns and H past the
+    end with zeros, so no masks and no per-element addresses (``rows_ld`` etc. are unused).
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if DESC:
+        for h0 in range(0, H, BLOCK_H):
+            a = E.load([row0, h0])
+            b = C.load([col0, h0])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+        return acc
     offs_h = tl.arange(0, BLOCK_H)
     e_ptrs = E + rows_ld.to(tl.int64)[:, None] * stride_en + offs_h[None, :].to(tl.int64) * stride_eh
     c_ptrs = C + cols_ld.to(tl.int64)[None, :] * stride_cv + offs_h[:, None].to(tl.int64) * stride_ch
-    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     for h0 in range(0, H, BLOCK_H):
         if EVEN_H:
             a = tl.load(e_ptrs)
@@ -239,7 +264,8 @@ def _lce_fwd_kernel(
     v_offset, softcap, tiles_per_split, n_splits,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
+    WARP_SPEC: tl.constexpr,
 ):
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
 
@@ -256,12 +282,13 @@ def _lce_fwd_kernel(
     num_vt = tl.cdiv(V, BLOCK_V)
     t_begin = split * tiles_per_split
     t_end = tl.minimum(num_vt, t_begin + tiles_per_split)
-    for vt in range(t_begin, t_end):
+    for vt in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
         cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
         col_mask = cols < V
         cols_ld = tl.where(col_mask, cols, 0)
-        x = _logits_tile(E, C, rows_ld, cols_ld, H, stride_en, stride_eh, stride_cv, stride_ch,
-                         EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PREC, UPCAST)
+        x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
+                         stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
+                         DOT_PREC, UPCAST, DESC)
         if HAS_BIAS:
             b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
             x += b[None, :]
@@ -292,7 +319,7 @@ def _lce_dlogits_kernel(
     v_offset, softcap,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
 ):
     """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
 
@@ -309,8 +336,9 @@ def _lce_dlogits_kernel(
     cols = v_start + ccols  # local vocabulary column
     cols_ld = tl.where(col_mask, cols, 0)
 
-    z = _logits_tile(E, C, rows_ld, cols_ld, H, stride_en, stride_eh, stride_cv, stride_ch,
-                     EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H, DOT_PREC, UPCAST)
+    z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
+                     stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
+                     BLOCK_H, DOT_PREC, UPCAST, DESC)
     if HAS_BIAS:
         b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
         z += b[None, :]
@@ -472,6 +500,28 @@ def _rows_dz_kernel(
 # ----------------------------------------------------------------------------------------------
 
 
+def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether E and C can be read through TMA descriptors: Hopper or newer (or the
+    interpreter), Triton's host-side descriptors, a unit last stride and 16-byte aligned base
+    and row stride (what the copy engine requires)."""
+    if TensorDescriptor is None:
+        return False
+    if not interpreting():
+        if e.device.type != "cuda" or torch.cuda.get_device_capability(e.device)[0] < 9:
+            return False
+    for t in (e, c):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _operands(e, c, block_n: int, block_v: int, block_h: int, desc: bool):
+    if not desc:
+        return e, c
+    return (TensorDescriptor.from_tensor(e, [block_n, block_h]),
+            TensorDescriptor.from_tensor(c, [block_v, block_h]))
+
+
 def _check_tiles(*blocks: int) -> None:
     for b in blocks:
         if b < 16 or b & (b - 1):
@@ -509,14 +559,17 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     split = triton.cdiv(num_vt, tiles_per_split)  # every split non-empty
     part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
     grid = (num_rb * split,)
+    desc = cfg.fwd_desc and _descriptors_ok(e, c)
+    ea, ca = _operands(e, c, BN, BV, BH, desc)
     _lce_fwd_kernel[grid](
-        e, c, bias if bias is not None else e, targets, part,
+        ea, ca, bias if bias is not None else e, targets, part,
         N, V, H,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
         v_offset, float(softcap) if softcap else 1.0, tiles_per_split, split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
-        DOT_PREC=_dot_precision(e.dtype), UPCAST=_upcast(e.dtype), num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        DOT_PREC=_dot_precision(e.dtype), UPCAST=_upcast(e.dtype), DESC=desc,
+        WARP_SPEC=desc and cfg.fwd_warp_spec, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     if split == 1:
         return stats
@@ -684,18 +737,21 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     num_rb = triton.cdiv(N, BN)
     db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
     dot_prec = _dot_precision(e.dtype)
+    desc = cfg.bwd_desc and _descriptors_ok(e, c)
+    ea, ca = _operands(e, c, BN, BV, BH, desc)
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
         grid = (num_rb * triton.cdiv(nc, BV),)
         _lce_dlogits_kernel[grid](
-            e, c, bias if bias is not None else e, targets, coef, d,
+            ea, ca, bias if bias is not None else e, targets, coef, d,
             db_part if db_part is not None else coef,
             N, V, H, v0, nc,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,
             v_offset, float(softcap) if softcap else 1.0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
-            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, num_warps=cfg.bwd_warps,
+            num_stages=cfg.bwd_stages,
         )
         dz = d[:, :nc]
         if need_de:
