@@ -280,20 +280,24 @@ SWEEP_TILES = [
     dict(grad_in_forward="always", gif_rows=2048),
     dict(grad_in_forward="always", row_block=4096, row_warps=16),
 ]
-# TMA descriptors for E and C in the fused kernels, Triton's warp specialization of the
-# forward's vocabulary loop, and tiles that let two programs share a multiprocessor (one's
-# softmax epilogue overlapping the other's matmul): 128x128 with 4 warps and 3 stages is 96 KB.
+# TMA descriptors for E and C in the fused kernels, the forward's flat loop, and tiles that let
+# two programs share a multiprocessor (one's softmax epilogue overlapping the other's matmul):
+# 128x128 with 4 warps and 3 stages is 96 KB of shared memory and 255 registers per thread.
 _D = dict(fwd_desc=True, bwd_desc=True)
 SWEEP_TMA = [
     {},
     _D,
-    dict(_D, fwd_warp_spec=True),
+    dict(_D, fwd_flat=True),
+    dict(_D, fwd_flat=True, fwd_stages=4),
+    dict(_D, fwd_flat=True, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
     dict(_D, fwd_stages=4, bwd_stages=4),
     dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
     dict(_D, fwd_block_v=128, bwd_block_v=128),
     dict(_D, fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
     dict(fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(_D, fwd_warp_spec=True, fwd_stages=4),
+    dict(fwd_block_v=128, bwd_block_v=128, fwd_warps=4, bwd_warps=4, fwd_group_n=8),
+    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4, fwd_stages=4,
+         bwd_stages=4),
 ]
 SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA}
 

@@ -199,10 +199,11 @@ def test_impls_agree_and_only_needed_grads(impl):
     dict(fwd_mode="chunked", bwd_mode="chunked"),
     dict(fwd_mode="chunked", bwd_mode="chunked", fwd_chunk_bytes=1, chunk_bytes=1),
     # TMA descriptors: the copy engine's zero fill replaces every mask of the logits tile
-    dict(fwd_desc=True, bwd_desc=True, fwd_warp_spec=True),
+    dict(fwd_desc=True, bwd_desc=True),
+    dict(fwd_desc=True, fwd_flat=True, split=3, fwd_block_v=16),
     dict(fwd_desc=True, bwd_desc=True, split=3, fwd_block_v=16, bwd_block_v=16, chunk_bytes=256),
 ], ids=["one-split-one-chunk", "three-splits-many-chunks", "chunked", "chunked-min", "desc",
-        "desc-three-splits-many-chunks"])
+        "desc-flat-three-splits", "desc-three-splits-many-chunks"])
 def test_triton_tile_configs(cfg, monkeypatch):
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
     check("triton", torch.float32, bias=True, softcap=5.0, label_smoothing=0.1, reduction="none",

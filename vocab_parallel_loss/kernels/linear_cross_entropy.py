@@ -122,11 +122,11 @@ class LCEConfig:
     # _Fp32Reductions, so it is rounded once), or (True) through an fp32 staging buffer and a
     # copy: 64 MiB more memory and a pass over dC, for the same result
     dc_staging: bool = False
-    # fused modes: read E and C through TMA descriptors (Hopper+, aligned operands), and
-    # warp-specialize the forward's vocabulary loop (Triton's automatic producer/consumer split)
+    # fused modes: read E and C through TMA descriptors (Hopper+, aligned operands); with them
+    # the forward may run one flat loop (``_lce_fwd_kernel``'s FLAT)
     fwd_desc: bool = False
     bwd_desc: bool = False
-    fwd_warp_spec: bool = False
+    fwd_flat: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -235,25 +235,49 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-        return acc
-    offs_h = tl.arange(0, BLOCK_H)
-    e_ptrs = E + rows_ld.to(tl.int64)[:, None] * stride_en + offs_h[None, :].to(tl.int64) * stride_eh
-    c_ptrs = C + cols_ld.to(tl.int64)[None, :] * stride_cv + offs_h[:, None].to(tl.int64) * stride_ch
-    for h0 in range(0, H, BLOCK_H):
-        if EVEN_H:
-            a = tl.load(e_ptrs)
-            b = tl.load(c_ptrs)
-        else:
-            hm = (h0 + offs_h) < H
-            a = tl.load(e_ptrs, mask=hm[None, :], other=0.0)
-            b = tl.load(c_ptrs, mask=hm[:, None], other=0.0)
-        if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        e_ptrs += BLOCK_H * stride_eh
-        c_ptrs += BLOCK_H * stride_ch
+    else:
+        offs_h = tl.arange(0, BLOCK_H)
+        e_ptrs = (E + rows_ld.to(tl.int64)[:, None] * stride_en
+                  + offs_h[None, :].to(tl.int64) * stride_eh)
+        c_ptrs = (C + cols_ld.to(tl.int64)[None, :] * stride_cv
+                  + offs_h[:, None].to(tl.int64) * stride_ch)
+        for h0 in range(0, H, BLOCK_H):
+            if EVEN_H:
+                a = tl.load(e_ptrs)
+                b = tl.load(c_ptrs)
+            else:
+                hm = (h0 + offs_h) < H
+                a = tl.load(e_ptrs, mask=hm[None, :], other=0.0)
+                b = tl.load(c_ptrs, mask=hm[:, None], other=0.0)
+            if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            e_ptrs += BLOCK_H * stride_eh
+            c_ptrs += BLOCK_H * stride_ch
     return acc
+
+
+@triton.jit
+def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Fold the fp32 logits tile ``x`` of vocabulary tile ``vt`` into the online statistics."""
+    cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    if HAS_BIAS:
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        x += b[None, :]
+    if HAS_SOFTCAP:
+        x = softcap * _tanh(x / softcap)
+    # one live tile at a time (128x256 fp32 is half the register file): reuse x in place
+    # and let every other tile be a temporary consumed by its reduction
+    tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
+    if NEED_SUMX:
+        sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
+    x = tl.where(col_mask[None, :], x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+    return m_new, s, tg, sx
 
 
 @triton.jit
@@ -265,8 +289,11 @@ def _lce_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-    WARP_SPEC: tl.constexpr,
+    FLAT: tl.constexpr,
 ):
+    """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
+    (tile, H step) that folds a tile into the statistics after its last step, so that the
+    software pipeline keeps loading the next tile's operands during that epilogue."""
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -282,27 +309,31 @@ def _lce_fwd_kernel(
     num_vt = tl.cdiv(V, BLOCK_V)
     t_begin = split * tiles_per_split
     t_end = tl.minimum(num_vt, t_begin + tiles_per_split)
-    for vt in tl.range(t_begin, t_end, warp_specialize=WARP_SPEC):
-        cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
-        col_mask = cols < V
-        cols_ld = tl.where(col_mask, cols, 0)
-        x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
-                         stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
-                         DOT_PREC, UPCAST, DESC)
-        if HAS_BIAS:
-            b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
-            x += b[None, :]
-        if HAS_SOFTCAP:
-            x = softcap * _tanh(x / softcap)
-        # one live tile at a time (128x256 fp32 is half the register file): reuse x in place
-        # and let every other tile be a temporary consumed by its reduction
-        tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
-        if NEED_SUMX:
-            sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
-        x = tl.where(col_mask[None, :], x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
-        m = m_new
+    if FLAT:
+        num_k = tl.cdiv(H, BLOCK_H)
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in range(0, (t_end - t_begin) * num_k):
+            vt = t_begin + it // num_k
+            kk = it - (vt - t_begin) * num_k
+            a = E.load([rb * BLOCK_N, kk * BLOCK_H])
+            b = C.load([vt * BLOCK_V, kk * BLOCK_H])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+            if kk == num_k - 1:
+                m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                          HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    else:
+        for vt in range(t_begin, t_end):
+            cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+            cols_ld = tl.where(cols < V, cols, 0)
+            x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
+                             stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
+                             DOT_PREC, UPCAST, DESC)
+            m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                      HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
 
     base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
     tl.store(base, m, mask=row_mask)
@@ -569,7 +600,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
         DOT_PREC=_dot_precision(e.dtype), UPCAST=_upcast(e.dtype), DESC=desc,
-        WARP_SPEC=desc and cfg.fwd_warp_spec, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        FLAT=desc and cfg.fwd_flat, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
     )
     if split == 1:
         return stats
