@@ -99,6 +99,32 @@ def test_all_options_and_matmul_backends(matmul, mode, staging, monkeypatch):
     _close_grads(grads, wgrads, 1e-2)
 
 
+TMA_CONFIGS = {
+    "pointers": dict(fwd_desc=False, bwd_desc=False),
+    "desc": dict(fwd_desc=True, bwd_desc=True, fwd_flat=False),
+    "desc-flat": dict(fwd_desc=True, bwd_desc=True, fwd_flat=True),
+    "desc-flat-128x128-4warps": dict(fwd_desc=True, bwd_desc=True, fwd_flat=True,
+                                     fwd_block_v=128, fwd_warps=4, bwd_block_v=128,
+                                     bwd_warps=4),
+}
+
+
+@pytest.mark.parametrize("cfg", list(TMA_CONFIGS), ids=list(TMA_CONFIGS))
+@pytest.mark.parametrize("h", [2048, 1000, 1001])
+def test_tma_descriptor_paths(cfg, h, monkeypatch):
+    """E and C through TMA descriptors (zero fill past odd N, V and an H that ends inside a
+    64-wide step), and the pointer fallback where a row is not 16-byte aligned (H = 1001)."""
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG",
+                        K.default_config(torch.device("cuda")).replace(**TMA_CONFIGS[cfg]))
+    e, c, b, t, up = _case(2049, h, 32003, bias=True)
+    assert K._descriptors_ok(e, c) == (h % 8 == 0)
+    kw = dict(reduction="none", softcap=30.0, label_smoothing=0.1, z_loss=1e-4)
+    loss, grads = _run(e, c, b, t, up, impl="triton", **kw)
+    want, wgrads = _reference(e, c, b, t, up, **kw)
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_dtypes(dtype):
     # "sum": fp16 dlogits of a mean over many tokens underflow exactly as PyTorch's own fp16

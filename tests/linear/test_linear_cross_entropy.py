@@ -210,6 +210,18 @@ def test_triton_tile_configs(cfg, monkeypatch):
           upstream=True)
 
 
+def test_descriptors_only_for_aligned_rows():
+    """TMA needs a unit last stride and 16-byte aligned rows: anything else keeps pointers."""
+    if K is None:
+        pytest.skip("no Triton")
+    e = torch.zeros(5, 24)
+    c = torch.zeros(7, 24)
+    assert K._descriptors_ok(e, c) == (K.TensorDescriptor is not None and lce_mod._interpreting())
+    assert not K._descriptors_ok(torch.zeros(5, 17), torch.zeros(7, 17))  # 68-byte rows
+    assert not K._descriptors_ok(e.t().contiguous().t(), c)  # column-major
+    assert not K._descriptors_ok(torch.zeros(5 * 24 + 1)[1:].view(5, 24), c)  # 4-byte offset
+
+
 def test_module(impl):
     e, c, b, t = make(lead=(2, 19))
     mod = VocabParallelLinearCrossEntropy(reduction="sum", shift=1, label_smoothing=0.05,
