@@ -5,6 +5,7 @@ wgmma. Catches compile errors and spilling tile configs before any GPU time is s
     python scripts/aot_linear_kernels.py                      # the Hopper default config, sm_90
     python scripts/aot_linear_kernels.py --arch 80            # Ampere config, sm_80
     python scripts/aot_linear_kernels.py --config '{"fwd_block_v": 128}' --config '{"fwd_warps": 4}'
+    python scripts/aot_linear_kernels.py --config '{}' --config '{"fwd_desc": false, "bwd_desc": false}'
 
 Arguments are specialised as a real launch would (unit strides constexpr, pointers, sizes and
 strides divisible by 16, as they are for H, V, N multiples of 16).
@@ -52,35 +53,47 @@ def _usage(k) -> str:
         os.unlink(path)
 
 
-def kernels(cfg: K.LCEConfig):
+def _operand_types(desc: bool, block_rows: int, block_c: int, block_h: int):
+    """E and C as pointers or as TMA descriptors of their blocks (what forward_stats passes)."""
+    if not desc:
+        return {"E": "*bf16", "C": "*bf16"}
+    return {"E": f"tensordesc<bf16[{block_rows},{block_h}]>",
+            "C": f"tensordesc<bf16[{block_c},{block_h}]>"}
+
+
+def kernels(cfg: K.LCEConfig, arch: int):
     bf = "*bf16"
-    fwd = {"E": bf, "C": bf, "BIAS": bf, "TGT": "*i64", "STATS": "*fp32", "N": "i32", "V": "i32",
+    fdesc = cfg.fwd_desc and arch >= 90
+    bdesc = cfg.bwd_desc and arch >= 90
+    fwd = {**_operand_types(fdesc, cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h), "BIAS": bf, "TGT": "*i64", "STATS": "*fp32", "N": "i32", "V": "i32",
            "H": "i32", "stride_en": "i32", "stride_eh": "constexpr", "stride_cv": "i32",
            "stride_ch": "constexpr", "stride_t": "constexpr", "v_offset": "i32", "softcap": "fp32",
            "tiles_per_split": "i32", "n_splits": "i32", "HAS_BIAS": "constexpr",
            "HAS_SOFTCAP": "constexpr", "NEED_SUMX": "constexpr", "EVEN_H": "constexpr",
            "BLOCK_N": "constexpr", "BLOCK_V": "constexpr", "BLOCK_H": "constexpr",
-           "GROUP_N": "constexpr", "DOT_PREC": "constexpr", "UPCAST": "constexpr"}
+           "GROUP_N": "constexpr", "DOT_PREC": "constexpr", "UPCAST": "constexpr",
+           "DESC": "constexpr", "FLAT": "constexpr"}
     for opt in (False, True):
         yield (f"fwd{' +bias+softcap+smooth' if opt else ''}", K._lce_fwd_kernel, fwd,
                dict(stride_eh=1, stride_ch=1, stride_t=1, HAS_BIAS=opt, HAS_SOFTCAP=opt,
                     NEED_SUMX=opt, EVEN_H=True, BLOCK_N=cfg.fwd_block_n, BLOCK_V=cfg.fwd_block_v,
                     BLOCK_H=cfg.fwd_block_h, GROUP_N=cfg.fwd_group_n, DOT_PREC="tf32",
-                    UPCAST=False), cfg.fwd_warps, cfg.fwd_stages)
-    dl = {"E": bf, "C": bf, "BIAS": bf, "TGT": "*i64", "COEF": "*fp32", "D": bf, "DB": "*fp32",
+                    UPCAST=False, DESC=fdesc, FLAT=fdesc and cfg.fwd_flat),
+               cfg.fwd_warps, cfg.fwd_stages)
+    dl = {**_operand_types(bdesc, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h), "BIAS": bf, "TGT": "*i64", "COEF": "*fp32", "D": bf, "DB": "*fp32",
           "N": "i32", "V": "i32", "H": "i32", "v_start": "i32", "n_cols": "i32",
           "stride_en": "i32", "stride_eh": "constexpr", "stride_cv": "i32",
           "stride_ch": "constexpr", "stride_t": "constexpr", "stride_dn": "i32",
           "stride_db": "i32", "v_offset": "i32", "softcap": "fp32", "HAS_BIAS": "constexpr",
           "HAS_SOFTCAP": "constexpr", "EVEN_H": "constexpr", "BLOCK_N": "constexpr",
           "BLOCK_V": "constexpr", "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
-          "DOT_PREC": "constexpr", "UPCAST": "constexpr"}
+          "DOT_PREC": "constexpr", "UPCAST": "constexpr", "DESC": "constexpr"}
     for opt in (False, True):
         yield (f"dlogits{' +bias+softcap' if opt else ''}", K._lce_dlogits_kernel, dl,
                dict(stride_eh=1, stride_ch=1, stride_t=1, HAS_BIAS=opt, HAS_SOFTCAP=opt,
                     EVEN_H=True, BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v,
                     BLOCK_H=cfg.bwd_block_h, GROUP_N=cfg.bwd_group_n, DOT_PREC="tf32",
-                    UPCAST=False), cfg.bwd_warps, cfg.bwd_stages)
+                    UPCAST=False, DESC=bdesc), cfg.bwd_warps, cfg.bwd_stages)
     mm = {"A": bf, "B": bf, "OUT": "*fp32", "M": "i32", "NN": "i32", "K": "i32",
           "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "constexpr",
           "stride_om": "i32", "stride_on": "constexpr", "ACCUMULATE": "constexpr",
@@ -96,7 +109,7 @@ def kernels(cfg: K.LCEConfig):
     yield ("mm dC=dz.T@e", K._mm_kernel, dict(mm, stride_am="constexpr", OUT=bf),
            dict(base, stride_am=1, ACCUMULATE=False), cfg.mm_warps, cfg.mm_stages)
     rs = {"X": "*fp32", "BIAS": bf, "TGT": "*i64", "STATS": "*fp32", "N": "i32", "V": "i32",
-          "stride_xn": "i32", "stride_t": "constexpr", "v_offset": "i32", "softcap": "fp32",
+          "stride_xn": "i32", "stride_t": "constexpr", "stride_s": "i32", "v_offset": "i32", "softcap": "fp32",
           "HAS_BIAS": "constexpr", "HAS_SOFTCAP": "constexpr", "NEED_SUMX": "constexpr",
           "BLOCK": "constexpr"}
     yield ("rows_stats (gif)", K._rows_stats_kernel, rs,
@@ -124,7 +137,7 @@ def main() -> int:
     for delta in deltas:
         cfg = base.replace(**delta)
         print(f"== sm_{args.arch} config delta {json.dumps(delta)}")
-        for name, fn, sig, consts, warps, stages in kernels(cfg):
+        for name, fn, sig, consts, warps, stages in kernels(cfg, args.arch):
             try:
                 k = _compile(fn, sig, consts, warps, stages, args.arch)
             except Exception as ex:  # a compile error is what this tool is for

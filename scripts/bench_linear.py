@@ -299,7 +299,16 @@ SWEEP_TMA = [
     dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4, fwd_stages=4,
          bwd_stages=4),
 ]
-SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA}
+# the default against the pointer kernels and its nearest neighbours (run with a long --rep)
+SWEEP_TMA_AB = [
+    {},
+    dict(fwd_desc=False, bwd_desc=False, fwd_flat=False),
+    dict(fwd_stages=4),
+    dict(bwd_desc=False),
+    dict(fwd_stages=4, bwd_stages=4),
+    dict(fwd_flat=False),
+]
+SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB}
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):

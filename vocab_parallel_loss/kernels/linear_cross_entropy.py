@@ -134,8 +134,10 @@ class LCEConfig:
 
 # Fused modes by default. The chunked backward measured 111.5 vs 115.6 ms (V=128256, N=16384,
 # H=4096) in one sweep (benchmarks/results/linear_*-1839.md) but 116.7 in the next table run:
-# no reliable gain. The fused forward matches cuBLAS + a row pass (29.1 vs 29.4-33 ms).
-HOPPER_CONFIG = LCEConfig()
+# no reliable gain. TMA descriptors and the flat forward loop: forward 26.2 against 28.9 ms
+# (657 against 596 TFLOP/s), per-token step 105.3 against 114.5-118 ms at V=128256
+# (tuning/linear_h200_20261203-1157-tma-sweep.md, linear_nvidia_h200_20261203-1200.md).
+HOPPER_CONFIG = LCEConfig(fwd_desc=True, bwd_desc=True, fwd_flat=True)
 AMPERE_CONFIG = LCEConfig(
     fwd_block_n=128, fwd_block_v=128, fwd_block_h=32, fwd_warps=8, fwd_stages=4,
     bwd_block_n=128, bwd_block_v=128, bwd_block_h=32, bwd_warps=8, bwd_stages=4,
