@@ -237,7 +237,7 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
-    else:
+    else:  # (an else, not an early return: Triton compiles what follows a return in a branch)
         offs_h = tl.arange(0, BLOCK_H)
         e_ptrs = (E + rows_ld.to(tl.int64)[:, None] * stride_en
                   + offs_h[None, :].to(tl.int64) * stride_eh)
