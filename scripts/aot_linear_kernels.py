@@ -87,13 +87,15 @@ def kernels(cfg: K.LCEConfig, arch: int):
           "stride_db": "i32", "v_offset": "i32", "softcap": "fp32", "HAS_BIAS": "constexpr",
           "HAS_SOFTCAP": "constexpr", "EVEN_H": "constexpr", "BLOCK_N": "constexpr",
           "BLOCK_V": "constexpr", "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
-          "DOT_PREC": "constexpr", "UPCAST": "constexpr", "DESC": "constexpr"}
+          "DOT_PREC": "constexpr", "UPCAST": "constexpr", "DESC": "constexpr",
+          "FLAT": "constexpr"}
     for opt in (False, True):
         yield (f"dlogits{' +bias+softcap' if opt else ''}", K._lce_dlogits_kernel, dl,
                dict(stride_eh=1, stride_ch=1, stride_t=1, HAS_BIAS=opt, HAS_SOFTCAP=opt,
                     EVEN_H=True, BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v,
                     BLOCK_H=cfg.bwd_block_h, GROUP_N=cfg.bwd_group_n, DOT_PREC="tf32",
-                    UPCAST=False, DESC=bdesc), cfg.bwd_warps, cfg.bwd_stages)
+                    UPCAST=False, DESC=bdesc, FLAT=bdesc and cfg.bwd_flat),
+               cfg.bwd_warps, cfg.bwd_stages)
     mm = {"A": bf, "B": bf, "OUT": "*fp32", "M": "i32", "NN": "i32", "K": "i32",
           "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "constexpr",
           "stride_om": "i32", "stride_on": "constexpr", "ACCUMULATE": "constexpr",

@@ -325,6 +325,8 @@ SWEEP_TMA_AB = [
     dict(bwd_desc=False),
     dict(fwd_stages=4, bwd_stages=4),
     dict(fwd_flat=False),
+    dict(bwd_flat=True),
+    dict(bwd_flat=True, bwd_stages=4),
 ]
 SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB}
 

@@ -123,10 +123,11 @@ class LCEConfig:
     # copy: 64 MiB more memory and a pass over dC, for the same result
     dc_staging: bool = False
     # fused modes: read E and C through TMA descriptors (Hopper+, aligned operands); with them
-    # the forward may run one flat loop (``_lce_fwd_kernel``'s FLAT)
+    # the kernels may run one flat loop over (tile, H step) (their FLAT)
     fwd_desc: bool = False
     bwd_desc: bool = False
     fwd_flat: bool = False
+    bwd_flat: bool = False  # the dlogits kernel: persistent programs, one flat loop
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -345,35 +346,19 @@ def _lce_fwd_kernel(
 
 
 @triton.jit
-def _lce_dlogits_kernel(
-    E, C, BIAS, TGT, COEF, D, DB,
-    N, V, H, v_start, n_cols,
-    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db,
-    v_offset, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-):
-    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
-
-    COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
-    """
-    rb, cb = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), tl.cdiv(n_cols, BLOCK_V),
-                           GROUP_N)
-
+def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
+                      stride_dn, stride_db, v_offset, softcap, HAS_BIAS: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dz of the fp32 logits tile ``z`` (row block ``rb``, chunk column block ``cb``) into D,
+    and its column sums into the bias gradient's per-row-block partials."""
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows_ld = tl.where(row_mask, rows, 0)
     ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
     col_mask = ccols < n_cols
     cols = v_start + ccols  # local vocabulary column
-    cols_ld = tl.where(col_mask, cols, 0)
-
-    z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
-                     stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
-                     BLOCK_H, DOT_PREC, UPCAST, DESC)
     if HAS_BIAS:
-        b = tl.load(BIAS + cols_ld.to(tl.int64)).to(tl.float32)
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
         z += b[None, :]
 
     if HAS_SOFTCAP:
@@ -398,7 +383,63 @@ def _lce_dlogits_kernel(
     d_ptrs = D + rows.to(tl.int64)[:, None] * stride_dn + ccols[None, :].to(tl.int64)
     tl.store(d_ptrs, dx.to(D.dtype.element_ty), mask=mask)
     if HAS_BIAS:
-        tl.store(DB + rb.to(tl.int64) * stride_db + ccols.to(tl.int64), tl.sum(dx, axis=0), mask=col_mask)
+        tl.store(DB + rb.to(tl.int64) * stride_db + ccols.to(tl.int64), tl.sum(dx, axis=0),
+                 mask=col_mask)
+
+
+@triton.jit
+def _lce_dlogits_kernel(
+    E, C, BIAS, TGT, COEF, D, DB,
+    N, V, H, v_start, n_cols,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db,
+    v_offset, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
+
+    COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
+    One program per tile, or with ``FLAT`` (``DESC`` only) persistent programs that take tiles
+    ``pid, pid + P, ...`` in one loop over (tile, H step), writing a tile after its last step:
+    the software pipeline then loads the next tile's operands during that epilogue.
+    """
+    num_rb = tl.cdiv(N, BLOCK_N)
+    num_cb = tl.cdiv(n_cols, BLOCK_V)
+    if FLAT:
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        num_k = tl.cdiv(H, BLOCK_H)
+        my_tiles = tl.cdiv(num_rb * num_cb - pid, nprog)
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in range(0, my_tiles * num_k):
+            j = it // num_k
+            kk = it - j * num_k
+            rb, cb = _grouped_tile(pid + j * nprog, num_rb, num_cb, GROUP_N)
+            a = E.load([rb * BLOCK_N, kk * BLOCK_H])
+            b = C.load([v_start + cb * BLOCK_V, kk * BLOCK_H])
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+            if kk == num_k - 1:
+                _dlogits_tile_out(acc, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols,
+                                  stride_t, stride_dn, stride_db, v_offset, softcap, HAS_BIAS,
+                                  HAS_SOFTCAP, BLOCK_N, BLOCK_V)
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    else:
+        rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
+        rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_ld = tl.where(rows < N, rows, 0)
+        ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols_ld = tl.where(ccols < n_cols, v_start + ccols, 0)
+        z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
+                         stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
+                         BLOCK_H, DOT_PREC, UPCAST, DESC)
+        _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
+                          stride_dn, stride_db, v_offset, softcap, HAS_BIAS, HAS_SOFTCAP,
+                          BLOCK_N, BLOCK_V)
 
 
 @triton.jit
@@ -772,9 +813,12 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     dot_prec = _dot_precision(e.dtype)
     desc = cfg.bwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
+    flat = desc and cfg.bwd_flat
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
-        grid = (num_rb * triton.cdiv(nc, BV),)
+        tiles = num_rb * triton.cdiv(nc, BV)
+        # flat: persistent programs, one per multiprocessor (147 KB of shared memory each)
+        grid = (min(tiles, _num_sms(dev)) if flat else tiles,)
         _lce_dlogits_kernel[grid](
             ea, ca, bias if bias is not None else e, targets, coef, d,
             db_part if db_part is not None else coef,
@@ -783,7 +827,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             v_offset, float(softcap) if softcap else 1.0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
-            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, num_warps=cfg.bwd_warps,
+            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, FLAT=flat,
+            num_warps=cfg.bwd_warps,
             num_stages=cfg.bwd_stages,
         )
         dz = d[:, :nc]
