@@ -577,8 +577,9 @@ def _rows_dz_kernel(
 def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
     """Whether E and C can be read through TMA descriptors: Hopper or newer (or the
     interpreter), Triton's host-side descriptors, a unit last stride and 16-byte aligned base
-    and row stride (what the copy engine requires)."""
-    if TensorDescriptor is None:
+    and row stride (what the copy engine requires). 16-bit inputs only: fp32 tiles feed no
+    tensor-core dot, and three stages of them would not fit in shared memory."""
+    if TensorDescriptor is None or e.element_size() != 2:
         return False
     if not interpreting():
         if e.device.type != "cuda" or torch.cuda.get_device_capability(e.device)[0] < 9:
