@@ -320,13 +320,13 @@ SWEEP_TMA = [
 # the default against the pointer kernels and its nearest neighbours (run with a long --rep)
 SWEEP_TMA_AB = [
     {},
+    dict(bwd_flat=True),
     dict(fwd_desc=False, bwd_desc=False, fwd_flat=False),
     dict(fwd_stages=4),
-    dict(bwd_desc=False),
-    dict(fwd_stages=4, bwd_stages=4),
-    dict(fwd_flat=False),
-    dict(bwd_flat=True),
     dict(bwd_flat=True, bwd_stages=4),
+    dict(bwd_desc=False),
+    dict(fwd_flat=False),
+    dict(fwd_stages=4, bwd_stages=4),
 ]
 SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB}
 
