@@ -29,6 +29,11 @@ at ``N * Vc`` elements (the chunk) plus the fp32 ``(N, H)`` dE accumulator, inde
 Every ``dC`` row is produced by exactly one GEMM over all N rows: it is rounded once. ``dE`` is
 summed over the chunks in fp32 and rounded once by the caller (after the TP all-reduce).
 
+On Hopper (16-bit inputs, 16-byte aligned rows) the two ``tl.dot`` kernels read E and C
+through TMA descriptors, whose zero fill past the ends replaces the masks, and the forward runs
+one flat loop over (vocabulary tile, H step) so the next tile's loads overlap a tile's epilogue
+(``LCEConfig.fwd_desc`` / ``bwd_desc`` / ``fwd_flat`` / ``bwd_flat``).
+
 All row/column offsets are computed in int64.
 """
 
@@ -219,6 +224,17 @@ def _tanh(x):
 
 
 @triton.jit
+def _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc += E[row0:, h0:] @ C[col0:, h0:].T`` for one H step, through TMA descriptors."""
+    a = E.load([row0, h0])
+    b = C.load([col0, h0])
+    if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, stride_cv,
                  stride_ch, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
                  BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -232,12 +248,7 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
     acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     if DESC:
         for h0 in range(0, H, BLOCK_H):
-            a = E.load([row0, h0])
-            b = C.load([col0, h0])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+            acc = _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC, UPCAST)
     else:  # (an else, not an early return: Triton compiles what follows a return in a branch)
         offs_h = tl.arange(0, BLOCK_H)
         e_ptrs = (E + rows_ld.to(tl.int64)[:, None] * stride_en
@@ -318,12 +329,8 @@ def _lce_fwd_kernel(
         for it in range(0, (t_end - t_begin) * num_k):
             vt = t_begin + it // num_k
             kk = it - (vt - t_begin) * num_k
-            a = E.load([rb * BLOCK_N, kk * BLOCK_H])
-            b = C.load([vt * BLOCK_V, kk * BLOCK_H])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+            acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
+                                 DOT_PREC, UPCAST)
             if kk == num_k - 1:
                 m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
                                           HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
@@ -417,12 +424,8 @@ def _lce_dlogits_kernel(
             j = it // num_k
             kk = it - j * num_k
             rb, cb = _grouped_tile(pid + j * nprog, num_rb, num_cb, GROUP_N)
-            a = E.load([rb * BLOCK_N, kk * BLOCK_H])
-            b = C.load([v_start + cb * BLOCK_V, kk * BLOCK_H])
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+            acc = _desc_dot_step(E, C, rb * BLOCK_N, v_start + cb * BLOCK_V, kk * BLOCK_H, acc,
+                                 DOT_PREC, UPCAST)
             if kk == num_k - 1:
                 _dlogits_tile_out(acc, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols,
                                   stride_t, stride_dn, stride_db, v_offset, softcap, HAS_BIAS,
@@ -818,7 +821,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
         tiles = num_rb * triton.cdiv(nc, BV)
-        # flat: persistent programs, one per multiprocessor (147 KB of shared memory each)
+        # flat: persistent programs, one per multiprocessor (each holds ~180 KB of shared
+        # memory on sm_90, so a second would not fit anyway)
         grid = (min(tiles, _num_sms(dev)) if flat else tiles,)
         _lce_dlogits_kernel[grid](
             ea, ca, bias if bias is not None else e, targets, coef, d,
@@ -829,8 +833,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
             DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, FLAT=flat,
-            num_warps=cfg.bwd_warps,
-            num_stages=cfg.bwd_stages,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
         )
         dz = d[:, :nc]
         if need_de:
