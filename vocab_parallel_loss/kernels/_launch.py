@@ -118,14 +118,11 @@ def _relaunch(bound, grid, args) -> bool:
     if device != bound.device:
         return False
     ptrs = []  # what the launcher gets for the tensors: their addresses, or themselves
-    i = 0
-    for dtype, aligned in bound.tensor_key:
-        a = args[i]
+    for a, (dtype, aligned) in zip(args, bound.tensor_key):
         ptr = a.data_ptr()
         if a.dtype != dtype or (ptr % 16 == 0) != aligned:
             return False
         ptrs.append(ptr if _int_pointers else a)
-        i += 1
     counts["fast"] += 1
     run, function, metadata, tail, _ = bound.entry
     g1 = grid[1] if len(grid) > 1 else 1

@@ -681,7 +681,8 @@ def _counts_in_one_program(n: int) -> bool:
     it, ``_pdl``), rather than PyTorch's reduction."""
     return n <= COUNT_ONE_PROGRAM_MAX
 
-#: ``VPL_PDL=0`` turns programmatic dependent launch off (``_pdl``)
+
+#: ``VPL_PDL=0 turns programmatic dependent launch off (``_pdl``)
 PDL_ENV = "VPL_PDL"
 
 
