@@ -328,7 +328,11 @@ SWEEP_TMA_AB = [
     dict(fwd_flat=False),
     dict(fwd_stages=4, bwd_stages=4),
 ]
-SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB}
+# the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
+# --n: 16384 rows chose 5 before session 9, 4096 rows 17, 65536 rows 2
+SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
+SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB,
+          "split": SWEEP_SPLIT}
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):
@@ -361,7 +365,8 @@ def sweep(n, h, v, warmup, rep, sweep_list):
         diff = [round(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), 8)
                 for a, b in zip(got, ref)]
         del got, loss
-        r = dict(delta=delta, reduction=red, fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
+        r = dict(delta=delta, reduction=red, fwd_split=K.forward_split(n, v, cfg, e.device)[0],
+                 fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
                  fwd_tflops=round(2 * n * h * v / fwd_ms / 1e9, 1),
                  bwd_tflops=round(6 * n * h * v / max(ms - fwd_ms, 1e-6) / 1e9, 1),
                  tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),

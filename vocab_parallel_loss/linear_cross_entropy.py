@@ -293,15 +293,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_de:
             if not o.sequence_parallel:  # else the reduce-scatter below does the sum
                 de32 = distributed.all_reduce_sum(de32, o.group)
-            if o.shift:
-                full = torch.zeros(tuple(full_shape), dtype=torch.float32, device=dev)
-                full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
-                de32 = full
+            if o.shift and not o.sequence_parallel:
+                # round straight into the input-dtype gradient: no fp32 copy of the full shape
+                de = torch.zeros(tuple(full_shape), dtype=e.dtype, device=dev)
+                de[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
             else:
-                de32 = de32.view(full_shape)
-            if o.sequence_parallel:
-                de32 = distributed.reduce_scatter_along_first_dim(de32, o.group)
-            de = de32.to(e.dtype)
+                if o.shift:  # the reduce-scatter splits the full sequence: pad it in fp32
+                    full = torch.zeros(tuple(full_shape), dtype=torch.float32, device=dev)
+                    full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
+                    de32 = full
+                else:
+                    de32 = de32.view(full_shape)
+                if o.sequence_parallel:
+                    de32 = distributed.reduce_scatter_along_first_dim(de32, o.group)
+                de = de32.to(e.dtype)
         if db is not None:
             db = db.to(bias.dtype)
         return de, dc, db, None, None

@@ -194,6 +194,7 @@ def test_impls_agree_and_only_needed_grads(impl):
 @pytest.mark.parametrize("cfg", [
     dict(split=1, chunk_bytes=1 << 30),
     dict(split=3, fwd_block_v=16, bwd_block_v=16, bwd_block_n=32, mm_block_k=32, chunk_bytes=256),
+    dict(split=0, fwd_block_v=16),  # _forward_splits chooses (4 "multiprocessors" on CPU)
     # chunked modes (Triton's GEMM stands in for cuBLAS on CPU): one chunk each way, then
     # budgets below one aligned chunk: 8-row / 8-column chunks, the last one partial
     dict(fwd_mode="chunked", bwd_mode="chunked"),
@@ -204,7 +205,7 @@ def test_impls_agree_and_only_needed_grads(impl):
     dict(fwd_desc=True, bwd_desc=True, split=3, fwd_block_v=16, bwd_block_v=16, chunk_bytes=256),
     # persistent dlogits programs (4 "multiprocessors" on CPU), each with several tiles
     dict(bwd_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=37 * 48 * 4),
-], ids=["one-split-one-chunk", "three-splits-many-chunks", "chunked", "chunked-min", "desc",
+], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "chunked", "chunked-min", "desc",
         "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits"])
 def test_triton_tile_configs(cfg, monkeypatch):
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
@@ -214,6 +215,31 @@ def test_triton_tile_configs(cfg, monkeypatch):
         assert K._descriptors_ok(*make(dtype=torch.bfloat16)[:2])
     check("triton", torch.bfloat16 if desc else torch.float32, bias=True, softcap=5.0,
           label_smoothing=0.1, reduction="none", upstream=True)
+
+
+def test_forward_splits_fill_the_waves():
+    """The split choice keeps at most 32 row blocks in flight, and its estimated run (waves x tiles per program) is never longer than the ~4-wave rule it
+    replaced, nor than any other count in its range."""
+    if K is None:
+        pytest.skip("no Triton")
+
+    def run_length(num_rb, num_vt, sms, s):
+        tiles = -(-num_vt // s)
+        return -(-num_rb * -(-num_vt // tiles) // sms) * (tiles + 0.5)
+
+    for sms in (4, 108, 132):
+        for num_rb in (1, 7, 128, 129, 512):
+            for num_vt in (1, 2, 63, 125, 501, 1000):
+                s = K._forward_splits(num_rb, num_vt, sms)
+                assert 1 <= s <= num_vt
+                if num_vt >= -(-sms // 32):
+                    assert -(-sms // s) <= 32  # row blocks in flight
+                old = min(max(1, -(-4 * sms // num_rb)), num_vt)
+                lo = min(num_vt, max(1, -(-sms // 32), -(-sms // num_rb)))
+                if lo <= old <= 4 * lo:
+                    assert run_length(num_rb, num_vt, sms, s) <= run_length(num_rb, num_vt, sms, old)
+                for other in range(lo, min(num_vt, 4 * lo) + 1):
+                    assert run_length(num_rb, num_vt, sms, s) <= run_length(num_rb, num_vt, sms, other)
 
 
 def test_descriptors_only_for_aligned_rows():

@@ -606,6 +606,36 @@ def _check_tiles(*blocks: int) -> None:
             raise ValueError(f"tile sizes must be powers of two >= 16, got {b}")
 
 
+def _forward_splits(num_rb: int, num_vt: int, sms: int) -> int:
+    """Vocabulary splits per row block for the forward's grid of ``num_rb x splits`` programs.
+
+    At most ~32 row blocks in flight (``splits >= sms / 32``), so that their E rows (1 MiB each
+    at 128 x 4096 bf16) and the splits' C tiles stay in L2, and at least one program per
+    multiprocessor. Within 4x that, the count with the shortest estimated run: waves times
+    tiles per program, plus half a tile per program for its pipeline fill and epilogue. The
+    programs are of equal length, so a last wave that is mostly idle costs a whole program:
+    at 128 row blocks, 63 tiles and 132 multiprocessors, 5 splits run 5 waves of 13 tiles and 7
+    splits 7 waves of 9 (65 against 63 tile times).
+    """
+    lo = min(num_vt, max(1, triton.cdiv(sms, 32), triton.cdiv(sms, num_rb)))
+    best, best_cost = lo, None
+    for s in range(lo, min(num_vt, 4 * lo) + 1):
+        tiles = triton.cdiv(num_vt, s)
+        waves = triton.cdiv(num_rb * triton.cdiv(num_vt, tiles), sms)
+        cost = waves * (tiles + 0.5)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device):
+    """The forward's vocabulary splits per row block and tiles per split (every split
+    non-empty): ``cfg.split``, or ``_forward_splits``' choice when it is 0."""
+    num_rb, num_vt = triton.cdiv(N, cfg.fwd_block_n), triton.cdiv(V, cfg.fwd_block_v)
+    tiles = triton.cdiv(num_vt, cfg.split or _forward_splits(num_rb, num_vt, _num_sms(device)))
+    return triton.cdiv(num_vt, tiles), tiles
+
+
 def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, v_offset: int, softcap: Optional[float],
                   need_sumx: bool, config: Optional[LCEConfig] = None) -> torch.Tensor:
@@ -629,12 +659,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     _check_tiles(BN, BV, BH)
     num_rb = triton.cdiv(N, BN)
     num_vt = triton.cdiv(V, BV)
-    # enough programs for ~4 waves, so that the programs in flight form a compact block of
-    # (GROUP_N row blocks x splits) whose E rows and C tiles stay in L2
-    split = cfg.split or max(1, triton.cdiv(4 * _num_sms(e.device), num_rb))
-    split = min(split, num_vt)
-    tiles_per_split = triton.cdiv(num_vt, split)
-    split = triton.cdiv(num_vt, tiles_per_split)  # every split non-empty
+    split, tiles_per_split = forward_split(N, V, cfg, e.device)
     part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
     grid = (num_rb * split,)
     desc = cfg.fwd_desc and _descriptors_ok(e, c)
@@ -776,6 +801,17 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
     _mm(a, b, out, False, cfg)
 
 
+def de_gemm(de: torch.Tensor, dz: torch.Tensor, c_chunk: torch.Tensor, cfg: LCEConfig,
+            first: bool) -> None:
+    """``dE (+)= dz @ c_chunk`` in fp32: the first vocabulary chunk stores, the others add.
+    Storing spares a zero-fill of the fp32 ``(N, H)`` accumulator and one read of it (256 MiB
+    each at N=16384, H=4096)."""
+    if first:
+        gemm_store(de, dz, c_chunk, cfg, None)
+    else:
+        gemm_acc(de, dz, c_chunk, cfg)
+
+
 def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
              targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
              softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
@@ -789,7 +825,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     N, H = e.shape
     V = c.shape[0]
     dev = e.device
-    de = torch.zeros((N, H), dtype=torch.float32, device=dev) if need_de else None
+    # dE is written by its first chunk's GEMM (``de_gemm``; V >= 1, checked by the caller)
+    de = torch.empty((N, H), dtype=torch.float32, device=dev) if need_de else None
     dc = torch.empty_like(c, memory_format=torch.contiguous_format) if need_dc else None
     db = torch.empty((V,), dtype=torch.float32, device=dev) if need_dbias else None
     if N == 0:
@@ -837,7 +874,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         )
         dz = d[:, :nc]
         if need_de:
-            gemm_acc(de, dz, c[v0:v0 + nc], cfg)  # dE += dz @ c_chunk (fp32)
+            de_gemm(de, dz, c[v0:v0 + nc], cfg, first=v0 == 0)
         if need_dc:  # dC_chunk = dz.T @ e, rounded once
             for s0 in range(0, nc, tmp_rows):
                 s1 = min(nc, s0 + tmp_rows)
@@ -899,7 +936,7 @@ def _backward_chunked(e, c, bias, targets, v_offset, coef, softcap, de, dc, db, 
         if dbuf is not None:
             dz = dbuf[:, :nc]
         if de is not None:
-            gemm_acc(de, dz, c_chunk, cfg)  # dE += dz @ c_chunk (fp32)
+            de_gemm(de, dz, c_chunk, cfg, first=v0 == 0)
         if dc is not None:  # dC_chunk = dz.T @ e, rounded once
             for s0 in range(0, nc, tmp_rows):
                 s1 = min(nc, s0 + tmp_rows)
