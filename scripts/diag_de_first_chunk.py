@@ -50,7 +50,6 @@ def main() -> None:
     )
     gemm["tflops"] = {k: round(2 * n * 4096 * h / v / 1e9, 1) for k, v in gemm.items()}
     print("gemm", json.dumps(gemm), flush=True)
-    del dz, cc, acc
     new = K.de_gemm
     for v in args.vocab:
         e = (torch.randn(n, h, device=dev, generator=g) * 0.5).bfloat16().requires_grad_()
@@ -76,8 +75,6 @@ def main() -> None:
                    median_ms={k: round(statistics.median(xs), 3) for k, xs in times.items()},
                    grads_bitwise_equal=same)
         print("step", json.dumps(row), flush=True)
-        del e, c, t, up, grads
-        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
