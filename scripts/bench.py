@@ -121,8 +121,12 @@ PATHS = ("none", "mean")
 class Device:
     """Timing, synchronisation and memory statistics for CUDA, with a perf_counter CPU stand-in."""
 
-    def __init__(self, kind: str, flush: str = "dirty"):
+    def __init__(self, kind: str, flush: str = "dirty", gpu_lead_us: float = 0.0):
         self.kind = kind
+        # a GPU sleep queued before each rep's flush: the GPU then has work ahead while the host
+        # issues the rep, so a host slower than a short step cannot leave the GPU waiting inside
+        # the timed region (scripts/diag_host_bound.py; ~1980 cycles per us on the H200)
+        self._lead_cycles = int(gpu_lead_us * 1980) if kind == "cuda" else 0
         self.cuda = kind == "cuda"
         self.torch = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         # 256 MiB zeroed before each timed rep evicts the logits' tail from L2 (60 MB on the H200),
@@ -138,6 +142,8 @@ class Device:
             torch.cuda.synchronize()
 
     def flush_l2(self) -> None:
+        if self._lead_cycles:
+            torch.cuda._sleep(self._lead_cycles)
         if self._flush is not None:
             self._flush.zero_()
         if self._sweep is not None:
@@ -669,7 +675,9 @@ def write_markdown(report: dict, path: Path) -> None:
              "4 B reduced for bf16 (x2 for fp32); mem = peak over the inputs, gradient left "
              "behind included, in units of the logits' bytes; errors are max abs vs an fp32 "
              "PyTorch reference." + (" L2 flush: clean (its write-back is not timed)."
-                                     if m.get("flush") == "clean" else ""), "",
+                                     if m.get("flush") == "clean" else "")
+             + (f" A GPU sleep of {m['gpu_lead_us']:g} us is queued before each rep's flush, "
+                "untimed." if m.get("gpu_lead_us") else ""), "",
              "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v) + ".", ""]
     notes = [f"- {k}: {v}" for k, v in report.get("notes", {}).items()]
     lines += notes + [""] * bool(notes)
@@ -789,6 +797,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flush", choices=("dirty", "clean"), default="dirty",
                    help="L2 before each rep: zeroed 256 MiB left dirty (default, as do_bench), "
                         "or that followed by an untimed read so its write-back is not timed")
+    p.add_argument("--gpu-lead-us", type=float, default=0.0,
+                   help="queue a GPU sleep of this long before each rep's flush, so host time "
+                        "cannot leak into the GPU timings of short steps (default 0: off)")
     p.add_argument("--max-seconds", type=float,
                    help="stop starting new shapes after this many seconds (results so far are kept)")
     args = p.parse_args(argv)
@@ -819,7 +830,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("no CUDA device: use --dry-run for the CPU pipeline check")
-    dev = Device("cpu" if args.dry_run else "cuda", args.flush)
+    dev = Device("cpu" if args.dry_run else "cuda", args.flush, args.gpu_lead_us)
     # torch.compile (and megatron's jit_fuser when it is torch.compile) compiles once per shape
     # and path: more graphs per function than dynamo's default limit of 8
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
@@ -835,7 +846,8 @@ def main(argv=None) -> dict:
         triton_version = None
     now = datetime.datetime.now(datetime.timezone.utc)
     stem = (f"{slug(dev.name())}-{now:%Y-%m-%d}" + ("-quick" if args.quick else "")
-            + ("-clean-l2" if args.flush == "clean" else ""))
+            + ("-clean-l2" if args.flush == "clean" else "")
+            + ("-gpu-lead" if args.gpu_lead_us else ""))
     args.out_dir.mkdir(parents=True, exist_ok=True)
     files = {k: args.out_dir / f"{stem}.{k}" for k in ("json", "md", "png")}
 
@@ -858,7 +870,7 @@ def main(argv=None) -> dict:
     report = {
         "meta": {"device": dev.name(), "device_slug": slug(dev.name()), "date": f"{now:%Y-%m-%d}",
                  "time_utc": now.isoformat(timespec="seconds"), "mode": args.mode,
-                 "flush": args.flush,
+                 "flush": args.flush, "gpu_lead_us": args.gpu_lead_us,
                  "torch": torch.__version__, "triton": triton_version,
                  "cuda": torch.version.cuda, "python": platform.python_version(),
                  "commit": _commit(), "source_hash": _source_hash(),
