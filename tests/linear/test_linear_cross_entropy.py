@@ -205,8 +205,8 @@ def test_impls_agree_and_only_needed_grads(impl):
     dict(fwd_desc=True, bwd_desc=True, split=3, fwd_block_v=16, bwd_block_v=16, chunk_bytes=256),
     # persistent dlogits programs (4 "multiprocessors" on CPU), each with several tiles
     dict(bwd_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=37 * 48 * 4),
-], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "chunked", "chunked-min", "desc",
-        "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits"])
+], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "chunked", "chunked-min",
+        "desc", "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits"])
 def test_triton_tile_configs(cfg, monkeypatch):
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
     # descriptors take 16-bit inputs only (fp32 keeps pointers)
@@ -218,8 +218,9 @@ def test_triton_tile_configs(cfg, monkeypatch):
 
 
 def test_forward_splits_fill_the_waves():
-    """The split choice keeps at most 32 row blocks in flight, and its estimated run (waves x tiles per program) is never longer than the ~4-wave rule it
-    replaced, nor than any other count in its range."""
+    """The split choice keeps at most 32 row blocks in flight, and its estimated run (waves x
+    tiles per program) is never longer than the ~4-wave rule it replaced, nor than any other
+    count in its range."""
     if K is None:
         pytest.skip("no Triton")
 
@@ -236,10 +237,11 @@ def test_forward_splits_fill_the_waves():
                     assert -(-sms // s) <= 32  # row blocks in flight
                 old = min(max(1, -(-4 * sms // num_rb)), num_vt)
                 lo = min(num_vt, max(1, -(-sms // 32), -(-sms // num_rb)))
+                mine = run_length(num_rb, num_vt, sms, s)
                 if lo <= old <= 4 * lo:
-                    assert run_length(num_rb, num_vt, sms, s) <= run_length(num_rb, num_vt, sms, old)
+                    assert mine <= run_length(num_rb, num_vt, sms, old)
                 for other in range(lo, min(num_vt, 4 * lo) + 1):
-                    assert run_length(num_rb, num_vt, sms, s) <= run_length(num_rb, num_vt, sms, other)
+                    assert mine <= run_length(num_rb, num_vt, sms, other)
 
 
 def test_descriptors_only_for_aligned_rows():

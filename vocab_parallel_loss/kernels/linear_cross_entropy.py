@@ -658,7 +658,6 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
     _check_tiles(BN, BV, BH)
     num_rb = triton.cdiv(N, BN)
-    num_vt = triton.cdiv(V, BV)
     split, tiles_per_split = forward_split(N, V, cfg, e.device)
     part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
     grid = (num_rb * split,)
