@@ -80,7 +80,9 @@ def kernels(cfg: K.LCEConfig, arch: int):
                     BLOCK_H=cfg.fwd_block_h, GROUP_N=cfg.fwd_group_n, DOT_PREC="tf32",
                     UPCAST=False, DESC=fdesc, FLAT=fdesc and cfg.fwd_flat),
                cfg.fwd_warps, cfg.fwd_stages)
-    dl = {**_operand_types(bdesc, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h), "BIAS": bf, "TGT": "*i64", "COEF": "*fp32", "D": bf, "DB": "*fp32",
+    dout = bdesc and cfg.bwd_store_desc
+    d_type = f"tensordesc<bf16[{cfg.bwd_block_n},{cfg.bwd_block_v}]>" if dout else bf
+    dl = {**_operand_types(bdesc, cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h), "BIAS": bf, "TGT": "*i64", "COEF": "*fp32", "D": d_type, "DB": "*fp32",
           "N": "i32", "V": "i32", "H": "i32", "v_start": "i32", "n_cols": "i32",
           "stride_en": "i32", "stride_eh": "constexpr", "stride_cv": "i32",
           "stride_ch": "constexpr", "stride_t": "constexpr", "stride_dn": "i32",
@@ -88,13 +90,13 @@ def kernels(cfg: K.LCEConfig, arch: int):
           "HAS_SOFTCAP": "constexpr", "EVEN_H": "constexpr", "BLOCK_N": "constexpr",
           "BLOCK_V": "constexpr", "BLOCK_H": "constexpr", "GROUP_N": "constexpr",
           "DOT_PREC": "constexpr", "UPCAST": "constexpr", "DESC": "constexpr",
-          "FLAT": "constexpr"}
+          "FLAT": "constexpr", "DESC_OUT": "constexpr"}
     for opt in (False, True):
         yield (f"dlogits{' +bias+softcap' if opt else ''}", K._lce_dlogits_kernel, dl,
                dict(stride_eh=1, stride_ch=1, stride_t=1, HAS_BIAS=opt, HAS_SOFTCAP=opt,
                     EVEN_H=True, BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v,
                     BLOCK_H=cfg.bwd_block_h, GROUP_N=cfg.bwd_group_n, DOT_PREC="tf32",
-                    UPCAST=False, DESC=bdesc, FLAT=bdesc and cfg.bwd_flat),
+                    UPCAST=False, DESC=bdesc, FLAT=bdesc and cfg.bwd_flat, DESC_OUT=dout),
                cfg.bwd_warps, cfg.bwd_stages)
     mm = {"A": bf, "B": bf, "OUT": "*fp32", "M": "i32", "NN": "i32", "K": "i32",
           "stride_am": "i32", "stride_ak": "i32", "stride_bk": "i32", "stride_bn": "constexpr",

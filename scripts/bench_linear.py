@@ -327,6 +327,8 @@ SWEEP_TMA_AB = [
     dict(bwd_desc=False),
     dict(fwd_flat=False),
     dict(fwd_stages=4, bwd_stages=4),
+    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (session 9, not yet timed)
+    dict(bwd_store_desc=True, bwd_flat=True),
 ]
 # the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
 # --n: 16384 rows chose 5 before session 9, 4096 rows 17, 65536 rows 2

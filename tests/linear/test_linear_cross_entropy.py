@@ -205,8 +205,12 @@ def test_impls_agree_and_only_needed_grads(impl):
     dict(fwd_desc=True, bwd_desc=True, split=3, fwd_block_v=16, bwd_block_v=16, chunk_bytes=256),
     # persistent dlogits programs (4 "multiprocessors" on CPU), each with several tiles
     dict(bwd_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=37 * 48 * 4),
+    # dz tiles stored through a descriptor of each chunk's columns (the last chunk partial)
+    dict(bwd_desc=True, bwd_store_desc=True, bwd_block_v=16, chunk_bytes=256),
+    dict(bwd_desc=True, bwd_store_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=256),
 ], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "chunked", "chunked-min",
-        "desc", "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits"])
+        "desc", "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits",
+        "desc-store-dz", "desc-store-dz-flat"])
 def test_triton_tile_configs(cfg, monkeypatch):
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
     # descriptors take 16-bit inputs only (fp32 keeps pointers)
@@ -422,7 +426,8 @@ def test_grad_in_forward_auto_respects_budget(monkeypatch):
 def test_descriptor_kernels_compile_for_hopper():
     """The interpreter runs Python, not Triton's compiler (it accepted an early ``return`` in a
     constexpr branch that the compiler rejects): compile the default Hopper kernels (TMA
-    descriptors, flat forward) and the flat dlogits option for sm_90, without a GPU."""
+    descriptors, flat forward), the flat dlogits option and the dz tiles stored through a
+    descriptor for sm_90, without a GPU."""
     import os
     import subprocess
     import sys
@@ -435,12 +440,17 @@ def test_descriptor_kernels_compile_for_hopper():
     repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(repo))
     out = subprocess.run([sys.executable, "scripts/aot_linear_kernels.py", "--config", "{}",
-                          "--config", '{"bwd_flat": true}'], env=env, capture_output=True,
+                          "--config", '{"bwd_flat": true}', "--config",
+                          '{"bwd_store_desc": true}'], env=env, capture_output=True,
                          text=True, timeout=900, cwd=repo)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
     lines = [x.split() for x in out.stdout.splitlines() if x.startswith("  fwd") or
              x.startswith("  dlogits")]
-    assert len(lines) == 8, out.stdout
+    assert len(lines) == 12, out.stdout
+    tma = []
     for words in lines:  # every one reads through TMA and multiplies with wgmma
         stats = dict(w.split("=") for w in words if "=" in w)
         assert int(stats["tma"]) > 0 and int(stats["wgmma"]) > 0 and stats["cp.async"] == "0", words
+        tma.append(int(stats["tma"]))
+    # the descriptor store of dz adds a TMA instruction to both dlogits kernels of the last config
+    assert tma[10] > tma[2] and tma[11] > tma[3], out.stdout

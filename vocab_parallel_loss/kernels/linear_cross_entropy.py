@@ -32,7 +32,8 @@ summed over the chunks in fp32 and rounded once by the caller (after the TP all-
 On Hopper (16-bit inputs, 16-byte aligned rows) the two ``tl.dot`` kernels read E and C
 through TMA descriptors, whose zero fill past the ends replaces the masks, and the forward runs
 one flat loop over (vocabulary tile, H step) so the next tile's loads overlap a tile's epilogue
-(``LCEConfig.fwd_desc`` / ``bwd_desc`` / ``fwd_flat`` / ``bwd_flat``).
+(``LCEConfig.fwd_desc`` / ``bwd_desc`` / ``fwd_flat`` / ``bwd_flat``). ``bwd_store_desc`` also
+writes the dz tiles through a descriptor (an option, not yet timed on the H200).
 
 All row/column offsets are computed in int64.
 """
@@ -133,6 +134,9 @@ class LCEConfig:
     bwd_desc: bool = False
     fwd_flat: bool = False
     bwd_flat: bool = False  # the dlogits kernel: persistent programs, one flat loop
+    # the dlogits kernel writes each dz tile through a TMA descriptor of the chunk buffer (with
+    # bwd_desc): no per-element addresses or masks in its epilogue; off until measured on the H200
+    bwd_store_desc: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -355,9 +359,12 @@ def _lce_fwd_kernel(
 @triton.jit
 def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
                       stride_dn, stride_db, v_offset, softcap, HAS_BIAS: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                      DESC_OUT: tl.constexpr):
     """dz of the fp32 logits tile ``z`` (row block ``rb``, chunk column block ``cb``) into D,
-    and its column sums into the bias gradient's per-row-block partials."""
+    and its column sums into the bias gradient's per-row-block partials. With ``DESC_OUT`` D is
+    a TMA descriptor of the chunk's ``(N, n_cols)`` columns: the copy engine drops the rows and
+    columns past their ends."""
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows_ld = tl.where(row_mask, rows, 0)
@@ -387,8 +394,11 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, 
         dx = dx * (1.0 - th * th)
     mask = row_mask[:, None] & col_mask[None, :]
     dx = tl.where(mask, dx, 0.0)
-    d_ptrs = D + rows.to(tl.int64)[:, None] * stride_dn + ccols[None, :].to(tl.int64)
-    tl.store(d_ptrs, dx.to(D.dtype.element_ty), mask=mask)
+    if DESC_OUT:
+        D.store([rb * BLOCK_N, cb * BLOCK_V], dx.to(D.dtype))
+    else:
+        d_ptrs = D + rows.to(tl.int64)[:, None] * stride_dn + ccols[None, :].to(tl.int64)
+        tl.store(d_ptrs, dx.to(D.dtype.element_ty), mask=mask)
     if HAS_BIAS:
         tl.store(DB + rb.to(tl.int64) * stride_db + ccols.to(tl.int64), tl.sum(dx, axis=0),
                  mask=col_mask)
@@ -403,9 +413,10 @@ def _lce_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-    FLAT: tl.constexpr,
+    FLAT: tl.constexpr, DESC_OUT: tl.constexpr,
 ):
-    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
+    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]`` (with
+    ``DESC_OUT`` a TMA descriptor of exactly those columns).
 
     COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
     One program per tile, or with ``FLAT`` (``DESC`` only) persistent programs that take tiles
@@ -429,7 +440,7 @@ def _lce_dlogits_kernel(
             if kk == num_k - 1:
                 _dlogits_tile_out(acc, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols,
                                   stride_t, stride_dn, stride_db, v_offset, softcap, HAS_BIAS,
-                                  HAS_SOFTCAP, BLOCK_N, BLOCK_V)
+                                  HAS_SOFTCAP, BLOCK_N, BLOCK_V, DESC_OUT)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
         rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
@@ -442,7 +453,7 @@ def _lce_dlogits_kernel(
                          BLOCK_H, DOT_PREC, UPCAST, DESC)
         _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
                           stride_dn, stride_db, v_offset, softcap, HAS_BIAS, HAS_SOFTCAP,
-                          BLOCK_N, BLOCK_V)
+                          BLOCK_N, BLOCK_V, DESC_OUT)
 
 
 @triton.jit
@@ -854,21 +865,24 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     desc = cfg.bwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
     flat = desc and cfg.bwd_flat
+    desc_out = desc and cfg.bwd_store_desc  # d's rows: vc (a multiple of BV) 16-bit elements
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
+        # the chunk's own columns, so that the copy engine drops what lies past them
+        dd = TensorDescriptor.from_tensor(d[:, :nc], [BN, BV]) if desc_out else d
         tiles = num_rb * triton.cdiv(nc, BV)
         # flat: persistent programs, one per multiprocessor (each holds ~180 KB of shared
         # memory on sm_90, so a second would not fit anyway)
         grid = (min(tiles, _num_sms(dev)) if flat else tiles,)
         _lce_dlogits_kernel[grid](
-            ea, ca, bias if bias is not None else e, targets, coef, d,
+            ea, ca, bias if bias is not None else e, targets, coef, dd,
             db_part if db_part is not None else coef,
             N, V, H, v0, nc,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,
             v_offset, float(softcap) if softcap else 1.0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
-            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, FLAT=flat,
+            DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, FLAT=flat, DESC_OUT=desc_out,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
         )
         dz = d[:, :nc]
