@@ -267,6 +267,40 @@ def test_cublas_fp32_out_gemms_available():
     torch.testing.assert_close(out, a.float() @ b.float(), atol=1e-3, rtol=1e-4)
 
 
+def test_torch_without_out_dtype_keeps_dc_on_cublas(monkeypatch):
+    """A PyTorch whose ``mm`` / ``addmm`` lack ``out_dtype`` (before 2.8): the fp32-out GEMMs of
+    dE fall back to Triton with a warning, dC (bf16 out, no ``out_dtype``) stays on cuBLAS, and
+    the gradients stay right."""
+    real_mm, real_addmm = torch.mm, torch.addmm
+    calls = []
+
+    def old_mm(*args, **kw):
+        if "out_dtype" in kw:
+            raise TypeError("mm() got an unexpected keyword argument 'out_dtype'")
+        calls.append("mm")
+        return real_mm(*args, **kw)
+
+    def old_addmm(*args, **kw):
+        if "out_dtype" in kw:
+            raise TypeError("addmm() got an unexpected keyword argument 'out_dtype'")
+        return real_addmm(*args, **kw)
+
+    monkeypatch.setattr(torch, "mm", old_mm)
+    monkeypatch.setattr(torch, "addmm", old_addmm)
+    monkeypatch.setattr(K, "TORCH_DTYPE_MM", {k: True for k in K.TORCH_DTYPE_MM})
+    # 1024-column chunks: dE is stored by the first chunk's GEMM and added to by the others
+    monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.default_config(torch.device("cuda")).replace(
+        chunk_bytes=2049 * 2 * 1024))
+    e, c, b, t, up = _case(2049, 256, 3001)
+    with pytest.warns(RuntimeWarning, match="out_dtype"):
+        loss, grads = _run(e, c, b, t, up, reduction="none", impl="triton")
+    assert K.TORCH_DTYPE_MM == {"mm": True, "mm_fp32": False, "addmm": False}
+    assert "mm" in calls  # dC went through cuBLAS
+    want, wgrads = _reference(e, c, b, t, up, reduction="none")
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+
+
 def test_reduced_precision_flags_are_restored():
     """The GEMMs turn off cuBLAS's reduced-precision split-K reductions for themselves only."""
     m = torch.backends.cuda.matmul

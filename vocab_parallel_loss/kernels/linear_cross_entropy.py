@@ -740,9 +740,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
     )
 
 
-#: Whether cuBLAS through ``torch.mm`` / ``torch.addmm`` with ``out_dtype=torch.float32`` works
-#: here (probed on first use; older PyTorch lacks it or requires ``self`` in the input dtype).
-TORCH_DTYPE_MM = {"mm": True, "addmm": True}
+#: Whether cuBLAS works here through ``torch.mm`` (output in the input dtype), ``torch.mm``
+#: with ``out_dtype=torch.float32`` and ``torch.addmm`` with it (probed on first use; older
+#: PyTorch lacks ``out_dtype`` or requires ``self`` in the input dtype). Kept apart, so that a
+#: PyTorch without ``out_dtype`` still runs dC through cuBLAS.
+TORCH_DTYPE_MM = {"mm": True, "mm_fp32": True, "addmm": True}
 
 
 def _use_torch_mm(a: torch.Tensor, cfg: LCEConfig, op: str) -> bool:
@@ -753,8 +755,10 @@ def _torch_mm_failed(op: str, ex: Exception) -> None:
     import warnings
 
     TORCH_DTYPE_MM[op] = False
-    warnings.warn(f"torch.{op} with out_dtype=float32 unavailable ({ex!r}); "
-                  "using the Triton GEMM for that gradient", RuntimeWarning, stacklevel=3)
+    call = {"mm": "torch.mm", "mm_fp32": "torch.mm(out_dtype=torch.float32)",
+            "addmm": "torch.addmm(out_dtype=torch.float32)"}[op]
+    warnings.warn(f"{call} unavailable ({ex!r}); using the Triton GEMM where it was used",
+                  RuntimeWarning, stacklevel=3)
 
 
 class _Fp32Reductions:
@@ -793,11 +797,12 @@ def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig
 def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig,
                tmp: Optional[torch.Tensor]) -> None:
     """``out = a @ b`` accumulated in fp32 and rounded once to ``out.dtype``."""
-    if _use_torch_mm(a, cfg, "mm"):
+    same = a.dtype == torch.float32 or (tmp is None and out.dtype == a.dtype)
+    op = "mm" if same else "mm_fp32"
+    if _use_torch_mm(a, cfg, op):
         try:
             with _Fp32Reductions():
-                if a.dtype == torch.float32 or (tmp is None and out.dtype == a.dtype):
-                    # fp32 accumulation, rounded once into out (fp32 split-K reductions)
+                if same:  # fp32 accumulation, rounded once into out (fp32 split-K reductions)
                     torch.mm(a, b, out=out)
                 elif out.dtype == torch.float32:
                     torch.mm(a, b, out_dtype=torch.float32, out=out)
@@ -807,7 +812,7 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
                     out.copy_(t)
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
-            _torch_mm_failed("mm", ex)
+            _torch_mm_failed(op, ex)
     _mm(a, b, out, False, cfg)
 
 
@@ -900,7 +905,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
 def _needs_dc_staging(e: torch.Tensor, cfg: LCEConfig) -> bool:
     """``cfg.dc_staging``: cuBLAS computes dC in fp32 into a staging buffer, then it is rounded
     into ``dc``."""
-    return cfg.dc_staging and _use_torch_mm(e, cfg, "mm") and e.dtype != torch.float32
+    return cfg.dc_staging and _use_torch_mm(e, cfg, "mm_fp32") and e.dtype != torch.float32
 
 
 def _dc_staging(e: torch.Tensor, cols: int, cfg: LCEConfig):
