@@ -268,7 +268,7 @@ def test_cublas_fp32_out_gemms_available():
 
 
 def test_torch_without_out_dtype_keeps_dc_on_cublas(monkeypatch):
-    """A PyTorch whose ``mm`` / ``addmm`` lack ``out_dtype`` (before 2.8): the fp32-out GEMMs of
+    """A PyTorch whose ``mm`` / ``addmm`` lack ``out_dtype`` (older releases): the fp32-out GEMMs of
     dE fall back to Triton with a warning, dC (bf16 out, no ``out_dtype``) stays on cuBLAS, and
     the gradients stay right."""
     real_mm, real_addmm = torch.mm, torch.addmm
