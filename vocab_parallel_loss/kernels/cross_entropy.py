@@ -682,7 +682,7 @@ def _counts_in_one_program(n: int) -> bool:
     return n <= COUNT_ONE_PROGRAM_MAX
 
 
-#: ``VPL_PDL=0 turns programmatic dependent launch off (``_pdl``)
+#: ``VPL_PDL=0`` turns programmatic dependent launch off (``_pdl``)
 PDL_ENV = "VPL_PDL"
 
 
