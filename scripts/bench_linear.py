@@ -336,8 +336,10 @@ SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
 # alternated twice: the current choice at 16384 rows (6 at V=128256, 7 at 16032) against a floor
 # of ceil(SMs / GROUP_N) = 9 splits (all programs in flight within one group of row blocks) and 17
 SWEEP_SPLIT_AB = [dict(split=s) for s in (6, 7, 9, 17) * 2]
+# the dz store through a TMA descriptor against the default, alternated so drift shows
+SWEEP_STORE_AB = [{}, dict(bwd_store_desc=True), dict(bwd_store_desc=True, bwd_flat=True)] * 2
 SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB,
-          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB}
+          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB, "store-ab": SWEEP_STORE_AB}
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):
