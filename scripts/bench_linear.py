@@ -327,7 +327,7 @@ SWEEP_TMA_AB = [
     dict(bwd_desc=False),
     dict(fwd_flat=False),
     dict(fwd_stages=4, bwd_stages=4),
-    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (session 9, not yet timed)
+    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (session 10: no faster)
     dict(bwd_store_desc=True, bwd_flat=True),
 ]
 # the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several

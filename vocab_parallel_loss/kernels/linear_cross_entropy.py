@@ -33,7 +33,7 @@ On Hopper (16-bit inputs, 16-byte aligned rows) the two ``tl.dot`` kernels read 
 through TMA descriptors, whose zero fill past the ends replaces the masks, and the forward runs
 one flat loop over (vocabulary tile, H step) so the next tile's loads overlap a tile's epilogue
 (``LCEConfig.fwd_desc`` / ``bwd_desc`` / ``fwd_flat`` / ``bwd_flat``). ``bwd_store_desc`` also
-writes the dz tiles through a descriptor (an option, not yet timed on the H200).
+writes the dz tiles through a descriptor (an option: measured no faster on the H200).
 
 All row/column offsets are computed in int64.
 """
@@ -135,7 +135,9 @@ class LCEConfig:
     fwd_flat: bool = False
     bwd_flat: bool = False  # the dlogits kernel: persistent programs, one flat loop
     # the dlogits kernel writes each dz tile through a TMA descriptor of the chunk buffer (with
-    # bwd_desc): no per-element addresses or masks in its epilogue; off until measured on the H200
+    # bwd_desc): no per-element addresses or masks in its epilogue, 19 registers fewer. Off:
+    # on the H200 it was 3-5% slower per tile and only as fast with bwd_flat (session 10,
+    # benchmarks/results/tuning/linear_h200_20261203-1518-store-ab-*)
     bwd_store_desc: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
