@@ -426,3 +426,54 @@ def test_cached_call_plans_keep_every_check(impl):
     # a transposed view of the same shape is a new signature, read with its own strides
     sbv = logits.transpose(0, 1).contiguous().transpose(0, 1)
     torch.testing.assert_close(cross_entropy(sbv, target, label_smoothing=0.1), first)
+
+
+@pytest.fixture
+def column_blocks(monkeypatch):
+    """The backward with a program per 16 columns of a row (``COLS``), for rows over 16."""
+    kernels = ce_mod._triton_kernels
+    monkeypatch.setattr(kernels, "COLS_BLOCK", 16)
+    kernels.backward_config.cache_clear()
+    yield kernels
+    kernels.backward_config.cache_clear()  # empty when monkeypatch puts 0 back, right after
+
+
+@pytest.mark.parametrize("layout", ["sbv_transposed", "narrowed"])
+@pytest.mark.parametrize("label_smoothing,z_loss", [(0.0, 0.0), (0.2, 1e-3)])
+def test_backward_in_column_blocks_matches_reference(impl, column_blocks, layout,
+                                                     label_smoothing, z_loss):
+    if impl != "triton":
+        pytest.skip("a launch config of the Triton backward")
+    assert column_blocks.backward_config(53, torch.float32)["COLS"]
+    # 53 columns: three whole blocks of 16 and a tail of 5, targets in every block
+    check(make_logits((7, 3, 53), torch.float32, layout), make_target((7, 3), 53),
+          label_smoothing=label_smoothing, z_loss=z_loss)
+
+
+def test_backward_in_column_blocks_equals_whole_rows_on_a_shard(impl, monkeypatch):
+    """Bitwise the same gradient per element, on a shard whose columns start at 40 of 120, with
+    targets in it, outside it, and ignored."""
+    if impl != "triton":
+        pytest.skip("a launch config of the Triton backward")
+    from vocab_parallel_loss._layout import like_rows, row_view
+    from vocab_parallel_loss._options import LossOptions
+
+    kernels = ce_mod._triton_kernels
+    x = make_logits((9, 2, 37), torch.bfloat16, "sbv_transposed")
+    t = make_target((9, 2), 120).reshape(-1)
+    t[:6] = torch.arange(40, 46)  # in this shard, in several column blocks
+    t[6:9] = torch.tensor([76, 77, 39])  # the shard's last column, the next shard's first, ...
+    opts = LossOptions(40, 120, -100, 0.1, 1e-3)
+    lse = torch.randn(t.numel()) + 5
+    dloss = torch.randn(t.numel())
+    grads = []
+    for block in (0, 16):
+        monkeypatch.setattr(kernels, "COLS_BLOCK", block)
+        kernels.backward_config.cache_clear()
+        view = row_view(x)
+        dview = like_rows(view)
+        kernels.backward(view, dview, t, lse, dloss, None, opts)
+        grads.append(dview.tensor)
+    kernels.backward_config.cache_clear()
+    assert torch.equal(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
