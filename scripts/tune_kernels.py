@@ -41,11 +41,6 @@ def main() -> None:
     ap.add_argument("--fwd-warps", default="2,4,8")
     ap.add_argument("--fwd-only", action="store_true")
     ap.add_argument("--fwd-split", default="0", help="SPLIT values of the forward, e.g. 0,1")
-    ap.add_argument("--bwd-only", action="store_true")
-    ap.add_argument("--bwd-blocks", default="8192,16384")
-    ap.add_argument("--bwd-warps", default="4,8,16,32")
-    ap.add_argument("--bwd-cols", default="",
-                    help="also a program per BLOCK columns of a row (COLS), e.g. 2048,4096")
     args = ap.parse_args()
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s")
@@ -72,14 +67,9 @@ def main() -> None:
                                     [int(b) for b in args.fwd_blocks.split(",")], [8],
                                     [int(w) for w in args.fwd_warps.split(",")],
                                     [int(sp) for sp in args.fwd_split.split(",")])])
-        warps = [int(w) for w in args.bwd_warps.split(",")]
-        bwd_cfgs = with_stages(
-            [dict(BLOCK=b, num_warps=w) for b, w in
-             itertools.product([int(b) for b in args.bwd_blocks.split(",")], warps)]
-            + [dict(BLOCK=b, num_warps=w, COLS=True) for b, w in
-               itertools.product([int(b) for b in args.bwd_cols.split(",") if b], warps)])
-        phases = (([] if args.bwd_only else [("fwd", fwd_cfgs, 2)])
-                  + ([] if args.fwd_only else [("bwd", bwd_cfgs, 4)]))
+        bwd_cfgs = with_stages([dict(BLOCK=b, num_warps=w) for b, w in
+                                itertools.product([8192, 16384], [4, 8, 16, 32])])
+        phases = [("fwd", fwd_cfgs, 2)] + ([] if args.fwd_only else [("bwd", bwd_cfgs, 4)])
         for phase, cfgs, bytes_per in phases:
             best = None
             for cfg in cfgs:

@@ -340,13 +340,9 @@ def _ce_backward_kernel(
     N, V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    UNLESS_UNIT: tl.constexpr = False, COLS: tl.constexpr = False,
+    UNLESS_UNIT: tl.constexpr = False,
 ):
     """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once.
-
-    A program per row, or with ``COLS`` a program per ``BLOCK`` columns of a row (the grid's
-    second axis): the softmax needs only the saved lse, so a row splits freely, and short
-    programs leave less of the last wave idle.
 
     ``UNLESS_UNIT``: ``dx`` already holds the gradient for an upstream gradient of 1 (written by
     ``_ce_forward_grad_kernel``); rows are rewritten only when the scalar upstream gradient is
@@ -359,41 +355,32 @@ def _ce_backward_kernel(
         if g != 1.0:
             pid, n_prog = tl.program_id(0), tl.num_programs(0)
             for i in range(0, tl.cdiv(N - pid, n_prog)):
-                _backward_row(pid + i * n_prog, 0, V_local, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr,
-                              count_ptr, D1, s0, s1, d0, d1, tgt_stride, vocab_start,
-                              V_global, ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING,
-                              HAS_Z, BLOCK)
+                _backward_row(pid + i * n_prog, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr,
+                              V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
+                              ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
     else:
         row = tl.program_id(0)
         g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
-        if COLS:
-            col0 = tl.program_id(1) * BLOCK
-            _backward_row(row, col0, tl.minimum(V_local - col0, BLOCK), g, x_ptr, dx_ptr,
-                          tgt_ptr, lse_ptr, count_ptr, D1, s0, s1, d0, d1, tgt_stride,
-                          vocab_start, V_global, ignore_index, smoothing, z_loss, MEAN,
-                          HAS_SMOOTHING, HAS_Z, BLOCK)
-        else:
-            _backward_row(row, 0, V_local, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, D1,
-                          s0, s1, d0, d1, tgt_stride, vocab_start, V_global, ignore_index,
-                          smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
+        _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
+                      d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
+                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
 
 
 @triton.jit
-def _backward_row(row, col0, n_cols, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, D1, s0, s1,
-                  d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
+def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1, d0,
+                  d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
                   MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
                   BLOCK: tl.constexpr):
-    """The gradient of the ``n_cols`` columns of one row from ``col0`` on."""
-    x_row = x_ptr + _row_start(row, D1, s0, s1) + col0
-    dx_row = dx_ptr + _row_start(row, D1, d0, d1) + col0
+    x_row = x_ptr + _row_start(row, D1, s0, s1)
+    dx_row = dx_ptr + _row_start(row, D1, d0, d1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
-    t_local = t - vocab_start - col0
+    t_local = t - vocab_start
     valid = t != ignore_index
     if MEAN:
         g = g / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
     coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
-    _row_grad(x_row, dx_row, n_cols, t_local, lse, coef, target_coef, uniform, valid,
+    _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
               HAS_SMOOTHING, BLOCK)
 
 
@@ -519,25 +506,15 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def backward_config(v_local: int, dtype: torch.dtype, whole_rows: bool = False) -> dict:
-    """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py).
-
-    ``COLS``: a program per ``BLOCK`` columns of a row instead of per row (``whole_rows`` asks
-    for a program per row: the loop of ``UNLESS_UNIT``)."""
+def backward_config(v_local: int, dtype: torch.dtype) -> dict:
+    """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
     # the H200 sweeps (tuning/h200-2026-12-0[23]-*): 8K-16K blocks; 32 warps on rows over 16K
     # columns (at 32000: 506 us against 520 with 8 warps, in three sweeps), 8 on 16K shards
     if v_local > 32768:
         return dict(BLOCK=8192, num_warps=32)
     if v_local > 16384:
         return dict(BLOCK=16384, num_warps=32)
-    if COLS_BLOCK and not whole_rows and v_local > COLS_BLOCK:
-        return dict(BLOCK=COLS_BLOCK, num_warps=COLS_WARPS, COLS=True)
     return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4)
-
-
-#: the column blocks of ``backward_config`` for rows up to 16K columns (0: a program per row)
-COLS_BLOCK = 0
-COLS_WARPS = 4
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
@@ -631,17 +608,11 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
     args = (x, dview.tensor, target, lse, dloss, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
             dloss.stride(0) if dloss.dim() else 0, *opts)
-    cfg = backward_config(v_local, x.dtype, unless_unit)
-    if unless_unit:
-        grid = (min(n, UNLESS_UNIT_PER_SM * _multiprocessors(x.device)),)
-    elif cfg.get("COLS"):
-        grid = (n, triton.cdiv(v_local, cfg["BLOCK"]))
-    else:
-        grid = (n,)
+    grid = (min(n, UNLESS_UNIT_PER_SM * _multiprocessors(x.device)),) if unless_unit else (n,)
 
     def kwargs():
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
-                    UNLESS_UNIT=unless_unit, **cfg)
+                    UNLESS_UNIT=unless_unit, **backward_config(v_local, x.dtype))
 
     if memo is None:
         launch(_ce_backward_kernel, grid, *args, **kwargs())
