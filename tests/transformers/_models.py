@@ -22,7 +22,11 @@ COMMON = dict(
 )
 
 # model_type -> (config class, model class, extra config)
+# the mixture-of-experts families return their router loss (output_router_logits), with a
+# coefficient large enough that a loss without it is far off
+MOE = dict(num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
 FAMILIES = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", {}),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": None}),
@@ -31,6 +35,15 @@ FAMILIES = {
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 4}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"num_local_experts": 4, "sliding_window": None, **MOE}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"num_experts": 4, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "sliding_window": None, **MOE}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"num_experts": 4, "moe_intermediate_size": 32, "decoder_sparse_step": 1,
+                   "mlp_only_layers": [], "sliding_window": None, **MOE}),
 }
 
 

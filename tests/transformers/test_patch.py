@@ -48,8 +48,31 @@ def test_loss_and_grads_match(model_type, num_items):
     _assert_grads_close(ref_grads, got_grads)
     if num_items is not None:
         n_valid = int((labels[:, 1:] != -100).sum())
-        mean = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        torch.testing.assert_close(got.loss, mean * n_valid / num_items)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        router = _router_loss(model, out)  # not divided by num_items_in_batch
+        torch.testing.assert_close(got.loss - router, (out.loss - router) * n_valid / num_items)
+
+
+def _router_loss(model, out):
+    aux = getattr(out, "aux_loss", None)
+    return 0.0 if aux is None else model.router_aux_loss_coef * aux
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_router_loss_is_added_as_the_original_adds_it(model_type):
+    model = make_model(model_type)
+    ids, mask, labels = make_batch()
+    ref = model(input_ids=ids, attention_mask=mask, labels=labels)
+    vh.patch(model, impl="torch")
+    got = model(input_ids=ids, attention_mask=mask, labels=labels)
+    router = _router_loss(model, got).detach()
+    assert got.aux_loss is not None and router.item() > 10 * LOSS_ATOL  # the test can tell
+    torch.testing.assert_close(got.aux_loss, ref.aux_loss)
+    assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL
+    # without output_router_logits neither adds it
+    plain = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False)
+    assert plain.aux_loss is None
+    assert abs(plain.loss.item() - (got.loss - router).item()) <= LOSS_ATOL
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
@@ -198,7 +221,7 @@ def test_unsupported_raises():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported model types"):
         vh.patch(transformers.GPT2LMHeadModel(config))
     seq_cls = transformers.LlamaForSequenceClassification(make_model("llama").config)
-    with pytest.raises(ValueError, match="supported model types: gemma2, gemma3"):
+    with pytest.raises(ValueError, match="supported model types: gemma, gemma2, gemma3"):
         vh.patch(seq_cls)
     with pytest.raises(ValueError, match="reduction"):
         vh.patch("llama", reduction="avg")

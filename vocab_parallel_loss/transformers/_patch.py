@@ -6,8 +6,9 @@ any ``logits_to_keep`` slicing) and returns an empty tensor. Everything model-sp
 names, caches, masks, deprecations, output classes) stays the original code of the installed
 transformers version; only the loss is ours: ``linear_cross_entropy`` on those hidden states and
 ``lm_head.weight``, with the shift, ignore index, ``num_items_in_batch`` and (Gemma 2/3) final
-logit softcapping that transformers uses. The output is the original output class with ``loss``
-set and ``logits=None``.
+logit softcapping that transformers uses, plus a mixture-of-experts model's router loss where
+the original adds it. The output is the original output class with ``loss`` set and
+``logits=None``.
 
 Without labels (generation, evaluation without a loss) the original forward is called unchanged.
 """
@@ -28,6 +29,7 @@ from ._loss import REDUCTIONS, causal_lm_loss
 
 # model_type -> (transformers.models submodule, causal-LM class names)
 _FAMILIES = {
+    "gemma": ("gemma", ("GemmaForCausalLM",)),
     "llama": ("llama", ("LlamaForCausalLM",)),
     "mistral": ("mistral", ("MistralForCausalLM",)),
     "phi3": ("phi3", ("Phi3ForCausalLM",)),
@@ -36,6 +38,10 @@ _FAMILIES = {
     "gemma3_text": ("gemma3", ("Gemma3ForCausalLM",)),
     "qwen2": ("qwen2", ("Qwen2ForCausalLM",)),
     "qwen3": ("qwen3", ("Qwen3ForCausalLM",)),
+    # mixture of experts: the router's load-balancing loss is added as the original adds it
+    "mixtral": ("mixtral", ("MixtralForCausalLM",)),
+    "qwen2_moe": ("qwen2_moe", ("Qwen2MoeForCausalLM",)),
+    "qwen3_moe": ("qwen3_moe", ("Qwen3MoeForCausalLM",)),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
@@ -188,10 +194,21 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
             label_smoothing=options.label_smoothing,
             z_loss=options.z_loss,
         )
-        return _with_loss(out, loss, return_dict)
+        return _with_loss(out, _plus_router_loss(self, out, loss), return_dict)
 
     setattr(forward, _WRAPPER_FLAG, (original, options))
     return forward
+
+
+def _plus_router_loss(model, out, loss):
+    """A mixture-of-experts model that returned its router's load-balancing loss
+    (``output_router_logits``) adds ``router_aux_loss_coef`` times it to the loss when labels are
+    given; the original forward ran without labels here, so that sum is made here, the same way."""
+    aux_loss = None if isinstance(out, tuple) else out.get("aux_loss")
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if aux_loss is None or coef is None:
+        return loss
+    return loss + coef * aux_loss.to(loss.device)
 
 
 def _with_loss(out, loss, return_dict: bool):
