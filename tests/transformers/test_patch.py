@@ -73,6 +73,13 @@ def test_router_loss_is_added_as_the_original_adds_it(model_type):
     plain = model(input_ids=ids, attention_mask=mask, labels=labels, output_router_logits=False)
     assert plain.aux_loss is None
     assert abs(plain.loss.item() - (got.loss - router).item()) <= LOSS_ATOL
+    # per-token losses: the router loss is left in aux_loss, not added to every token
+    vh.unpatch(model)
+    vh.patch(model, impl="torch", reduction="none")
+    per_token = model(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(per_token.aux_loss, ref.aux_loss)
+    valid = labels[:, 1:] != -100
+    assert abs(per_token.loss.sum().item() / int(valid.sum()) - plain.loss.item()) <= LOSS_ATOL
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])

@@ -194,7 +194,9 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
             label_smoothing=options.label_smoothing,
             z_loss=options.z_loss,
         )
-        return _with_loss(out, _plus_router_loss(self, out, loss), return_dict)
+        if options.reduction != "none":  # per-token losses: the router loss stays in aux_loss
+            loss = _plus_router_loss(self, out, loss)
+        return _with_loss(out, loss, return_dict)
 
     setattr(forward, _WRAPPER_FLAG, (original, options))
     return forward
@@ -203,7 +205,8 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
 def _plus_router_loss(model, out, loss):
     """A mixture-of-experts model that returned its router's load-balancing loss
     (``output_router_logits``) adds ``router_aux_loss_coef`` times it to the loss when labels are
-    given; the original forward ran without labels here, so that sum is made here, the same way."""
+    given; the original forward ran without labels here, so that sum is made here, the same way.
+    (Not to per-token losses: a scalar added to every token would count it once per token.)"""
     aux_loss = None if isinstance(out, tuple) else out.get("aux_loss")
     coef = getattr(model, "router_aux_loss_coef", None)
     if aux_loss is None or coef is None:
