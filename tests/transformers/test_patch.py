@@ -82,6 +82,21 @@ def test_router_loss_is_added_as_the_original_adds_it(model_type):
     assert abs(per_token.loss.sum().item() / int(valid.sum()) - plain.loss.item()) <= LOSS_ATOL
 
 
+def test_lm_head_bias():
+    """Phi's LM head has a bias (zero at initialisation: made non-zero here, so it counts)."""
+    model = make_model("phi")
+    with torch.no_grad():
+        model.lm_head.bias.copy_(torch.randn(model.lm_head.bias.shape,
+                                             generator=torch.Generator().manual_seed(7)))
+    ids, mask, labels = make_batch()
+    ref, ref_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    vh.patch(model, impl="torch")
+    got, got_grads = _loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL
+    _assert_grads_close(ref_grads, got_grads)
+    assert "lm_head.bias" in got_grads
+
+
 @pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
 def test_final_logit_softcapping(model_type):
     cap = 1.5
@@ -228,7 +243,7 @@ def test_unsupported_raises():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported model types"):
         vh.patch(transformers.GPT2LMHeadModel(config))
     seq_cls = transformers.LlamaForSequenceClassification(make_model("llama").config)
-    with pytest.raises(ValueError, match="supported model types: gemma, gemma2, gemma3"):
+    with pytest.raises(ValueError, match="supported model types: cohere, gemma, gemma2, gemma3"):
         vh.patch(seq_cls)
     with pytest.raises(ValueError, match="reduction"):
         vh.patch("llama", reduction="avg")

@@ -38,12 +38,26 @@ _FAMILIES = {
     "gemma3_text": ("gemma3", ("Gemma3ForCausalLM",)),
     "qwen2": ("qwen2", ("Qwen2ForCausalLM",)),
     "qwen3": ("qwen3", ("Qwen3ForCausalLM",)),
+    "olmo": ("olmo", ("OlmoForCausalLM",)),
+    "olmo2": ("olmo2", ("Olmo2ForCausalLM",)),
+    "phi": ("phi", ("PhiForCausalLM",)),  # its LM head has a bias
+    "starcoder2": ("starcoder2", ("Starcoder2ForCausalLM",)),
+    "glm4": ("glm4", ("Glm4ForCausalLM",)),
+    "granite": ("granite", ("GraniteForCausalLM",)),  # logits scaled: _LOGIT_SCALE
+    "cohere": ("cohere", ("CohereForCausalLM",)),  # logits scaled: _LOGIT_SCALE
     # mixture of experts: the router's load-balancing loss is added as the original adds it
     "mixtral": ("mixtral", ("MixtralForCausalLM",)),
     "qwen2_moe": ("qwen2_moe", ("Qwen2MoeForCausalLM",)),
     "qwen3_moe": ("qwen3_moe", ("Qwen3MoeForCausalLM",)),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
+
+# model_type -> the factor its forward multiplies the LM head's output by before the loss; the
+# loss then comes from the hidden states (and bias) times it, the same logits
+_LOGIT_SCALE = {
+    "granite": lambda model: 1.0 / model.config.logits_scaling,
+    "cohere": lambda model: model.logit_scale,
+}
 
 _MISSING = object()
 _WRAPPER_FLAG = "_vocab_parallel_loss_patch"
@@ -180,11 +194,17 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
                 f"{len(captured)} times, expected once; unpatch this model"
             )
 
+        hidden, bias = captured[0], lm_head.bias
+        scale_of = _LOGIT_SCALE.get(getattr(self.config, "model_type", None))
+        scale = 1.0 if scale_of is None else float(scale_of(self))
+        if scale != 1.0:
+            hidden = hidden * scale
+            bias = None if bias is None else bias * scale
         loss = causal_lm_loss(
-            captured[0],
+            hidden,
             lm_head.weight,
             labels,
-            bias=lm_head.bias,
+            bias=bias,
             shift_labels=shift_labels,
             num_items_in_batch=num_items_in_batch,
             ignore_index=ignore_index,
