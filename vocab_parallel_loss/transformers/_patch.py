@@ -6,8 +6,8 @@ any ``logits_to_keep`` slicing) and returns an empty tensor. Everything model-sp
 names, caches, masks, deprecations, output classes) stays the original code of the installed
 transformers version; only the loss is ours: ``linear_cross_entropy`` on those hidden states and
 ``lm_head.weight``, with the shift, ignore index, ``num_items_in_batch`` and (Gemma 2/3) final
-logit softcapping that transformers uses, plus a mixture-of-experts model's router loss where
-the original adds it. The output is the original output class with ``loss`` set and
+logit softcapping that transformers uses, the logit scale of Granite and Cohere (applied to the
+hidden states), and a mixture-of-experts model's router loss where the original adds it. The output is the original output class with ``loss`` set and
 ``logits=None``.
 
 Without labels (generation, evaluation without a loss) the original forward is called unchanged.
