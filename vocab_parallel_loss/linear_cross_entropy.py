@@ -295,21 +295,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de32 = distributed.all_reduce_sum(de32, o.group)
             if o.shift and not o.sequence_parallel:
                 # round straight into the input-dtype gradient: no fp32 copy of the full shape
-                de = torch.zeros(tuple(full_shape), dtype=e.dtype, device=dev)
-                de[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
+                de = _unshifted(de32, full_shape, shifted_shape, e.dtype)
             else:
-                if o.shift:  # the reduce-scatter splits the full sequence: pad it in fp32
-                    full = torch.zeros(tuple(full_shape), dtype=torch.float32, device=dev)
-                    full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
-                    de32 = full
-                else:
-                    de32 = de32.view(full_shape)
+                # the reduce-scatter splits the full sequence: pad it in fp32 first
+                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32) if o.shift
+                        else de32.view(full_shape))
                 if o.sequence_parallel:
                     de32 = distributed.reduce_scatter_along_first_dim(de32, o.group)
                 de = de32.to(e.dtype)
         if db is not None:
             db = db.to(bias.dtype)
         return de, dc, db, None, None
+
+
+def _unshifted(de32, full_shape, shifted_shape, dtype):
+    """The gradient of the shifted positions placed into the full sequence (0 for the last
+    position, which ``shift`` drops), in ``dtype``."""
+    full = torch.zeros(tuple(full_shape), dtype=dtype, device=de32.device)
+    full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
+    return full
 
 
 def _token_grad(grad_loss, t2, count, o: _Opts):

@@ -7,8 +7,8 @@ names, caches, masks, deprecations, output classes) stays the original code of t
 transformers version; only the loss is ours: ``linear_cross_entropy`` on those hidden states and
 ``lm_head.weight``, with the shift, ignore index, ``num_items_in_batch`` and (Gemma 2/3) final
 logit softcapping that transformers uses, the logit scale of Granite and Cohere (applied to the
-hidden states), and a mixture-of-experts model's router loss where the original adds it. The output is the original output class with ``loss`` set and
-``logits=None``.
+hidden states), and a mixture-of-experts model's router loss where the original adds it. The
+output is the original output class with ``loss`` set and ``logits=None``.
 
 Without labels (generation, evaluation without a loss) the original forward is called unchanged.
 """
@@ -194,12 +194,7 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
                 f"{len(captured)} times, expected once; unpatch this model"
             )
 
-        hidden, bias = captured[0], lm_head.bias
-        scale_of = _LOGIT_SCALE.get(getattr(self.config, "model_type", None))
-        scale = 1.0 if scale_of is None else float(scale_of(self))
-        if scale != 1.0:
-            hidden = hidden * scale
-            bias = None if bias is None else bias * scale
+        hidden, bias = _scaled_head_inputs(self, captured[0], lm_head.bias)
         loss = causal_lm_loss(
             hidden,
             lm_head.weight,
@@ -214,19 +209,30 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
             label_smoothing=options.label_smoothing,
             z_loss=options.z_loss,
         )
-        if options.reduction != "none":  # per-token losses: the router loss stays in aux_loss
-            loss = _plus_router_loss(self, out, loss)
-        return _with_loss(out, loss, return_dict)
+        return _with_loss(out, _plus_router_loss(self, out, loss, options.reduction), return_dict)
 
     setattr(forward, _WRAPPER_FLAG, (original, options))
     return forward
 
 
-def _plus_router_loss(model, out, loss):
+def _scaled_head_inputs(model, hidden, bias):
+    """The LM head's input and bias times the model's logit scale (``_LOGIT_SCALE``): the same
+    logits as scaling the head's output."""
+    scale_of = _LOGIT_SCALE.get(getattr(model.config, "model_type", None))
+    scale = 1.0 if scale_of is None else float(scale_of(model))
+    if scale == 1.0:
+        return hidden, bias
+    return hidden * scale, None if bias is None else bias * scale
+
+
+def _plus_router_loss(model, out, loss, reduction: str):
     """A mixture-of-experts model that returned its router's load-balancing loss
     (``output_router_logits``) adds ``router_aux_loss_coef`` times it to the loss when labels are
     given; the original forward ran without labels here, so that sum is made here, the same way.
-    (Not to per-token losses: a scalar added to every token would count it once per token.)"""
+    Not to per-token losses (``reduction="none"``): a scalar added to every token would count it
+    once per token; it stays in ``aux_loss``."""
+    if reduction == "none":
+        return loss
     aux_loss = None if isinstance(out, tuple) else out.get("aux_loss")
     coef = getattr(model, "router_aux_loss_coef", None)
     if aux_loss is None or coef is None:
