@@ -252,25 +252,31 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
 
 @triton.jit
 def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr):
-    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once."""
+              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr = "",
+              STORE_HINT: tl.constexpr = ""):
+    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once.
+
+    ``LOAD_HINT`` / ``STORE_HINT``: L2 eviction policies of the reads and writes (``""``: none,
+    the default; see ``backward_config``)."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     for start in range(0, V_local, BLOCK):
         idx = start + cols
         mask = idx < V_local
-        x = tl.load(x_row + idx, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy=LOAD_HINT).to(tl.float32)
         p = tl.exp2(x * 1.4426950408889634 - lse2)
         dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
         if HAS_SMOOTHING:
             dx -= uniform
         dx = tl.where(valid, dx, 0.0)
-        tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
+        tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
+                 eviction_policy=STORE_HINT)
 
 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
-                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr = False):
+                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr = False,
+                   STORE_HINT: tl.constexpr = ""):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
     two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
     (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
@@ -300,7 +306,8 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
                 dx -= uniform
             if SUM_X:
                 acc += x
-            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
+            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
+                     eviction_policy=STORE_HINT)
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
             x = tl.load(x_row + idx, eviction_policy="evict_first").to(tl.float32)
@@ -309,7 +316,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
                 dx -= uniform
             if SUM_X:
                 acc += x
-            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty))
+            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT)
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
         dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - target_coef
@@ -340,7 +347,7 @@ def _ce_backward_kernel(
     N, V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    UNLESS_UNIT: tl.constexpr = False,
+    UNLESS_UNIT: tl.constexpr = False, LOAD_HINT: tl.constexpr = "", STORE_HINT: tl.constexpr = "",
 ):
     """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once.
 
@@ -357,20 +364,21 @@ def _ce_backward_kernel(
             for i in range(0, tl.cdiv(N - pid, n_prog)):
                 _backward_row(pid + i * n_prog, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr,
                               V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
-                              ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
+                              ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK,
+                              LOAD_HINT, STORE_HINT)
     else:
         row = tl.program_id(0)
         g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
         _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
                       d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
-                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK)
+                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT, STORE_HINT)
 
 
 @triton.jit
 def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1, d0,
                   d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
                   MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     dx_row = dx_ptr + _row_start(row, D1, d0, d1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
@@ -381,7 +389,7 @@ def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
     coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
     _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-              HAS_SMOOTHING, BLOCK)
+              HAS_SMOOTHING, BLOCK, LOAD_HINT, STORE_HINT)
 
 
 @triton.jit
@@ -412,7 +420,7 @@ def _ce_forward_grad_kernel(
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
     VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, SPLIT: tl.constexpr = False,
-    GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False,
+    GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False, STORE_HINT: tl.constexpr = "",
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -459,7 +467,7 @@ def _ce_forward_grad_kernel(
                                                  HAS_Z)
         sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
                                x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
-                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING)
+                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, STORE_HINT)
         if SUM_IN_GRAD:
             loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
                                        z_loss, HAS_SMOOTHING, HAS_Z)
