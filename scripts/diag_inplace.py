@@ -1,14 +1,22 @@
-"""Why is the in-place gradient slower than a new buffer? Kernel time of the backward and of the
-fused reduced kernel, writing into the logits or into a new buffer, under L2 eviction hints.
+"""L2 eviction hints of the kernels over logits, and why the in-place gradient is slower than a
+new buffer: kernel time of each variant, in one process.
 
     python scripts/diag_inplace.py --out diag_inplace.json
+
+Variants (``--only`` picks groups):
+- ``fwd``: the per-token forward's reads (``LOAD_HINT``, default ``evict_first``);
+- ``bwd``: the backward's reads and writes, into a new buffer and into the logits;
+- ``pair``: forward then backward, as a per-token training step runs them;
+- ``fused``: the reduced loss's fused kernel (with its count kernel): second read and writes;
+- ``after``: a 24 MiB buffer read twice right after the backward, to see whether reads kept
+  in L2 (``evict_last``) crowd out the next kernel's data.
 
 Every variant runs in each of ``--rounds`` rounds, in a rotated order, so drift of the machine
 shows up as spread rather than as a difference. Each rep is flushed first: ``dirty`` zeroes
 256 MiB (as bench.py, which leaves L2 full of dirty lines), ``clean`` then reads them back.
 The in-place variants work on their own copy of the logits (their contents become gradients:
-the time does not depend on the values). Ratios are to each kernel's bytes (both read 2 B and
-write 2 B per element) at the copy bandwidth of the same run.
+the time does not depend on the values). Ratios are to each variant's bytes at the copy
+bandwidth of the same run (forward 2 B per element, backward and fused 4 B, pair 6 B).
 """
 
 from __future__ import annotations
@@ -23,8 +31,7 @@ from vocab_parallel_loss._layout import like_rows, row_view
 from vocab_parallel_loss._options import LossOptions
 from vocab_parallel_loss.kernels import cross_entropy as K
 
-HINTS = [("", ""), ("evict_first", ""), ("evict_last", ""), ("", "evict_first"),
-         ("evict_first", "evict_first")]
+PLAIN_FWD, PLAIN_BWD = K.forward_config, K.backward_config
 
 
 def copy_bandwidth() -> float:
@@ -43,7 +50,8 @@ def copy_bandwidth() -> float:
     return 2 * a.numel() / (statistics.median(times) * 1e-3)
 
 
-def timed(fn, reps: int, flush: torch.Tensor, clean: bool) -> float:
+def timed(fn, reps: int, flush: torch.Tensor, clean: bool, after=None) -> float:
+    """Median ms of ``fn``, or of ``after`` run right behind it when given."""
     fn()
     events = []
     for _ in range(reps):
@@ -51,26 +59,38 @@ def timed(fn, reps: int, flush: torch.Tensor, clean: bool) -> float:
         if clean:
             flush.sum()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
+        if after is None:
+            s.record()
+            fn()
+        else:
+            fn()
+            s.record()
+            after()
         e.record()
         events.append((s, e))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
+def hinted(plain, **hints):
+    """A config function: ``plain``'s launch parameters plus the hint constexprs."""
+    return lambda v, dtype: dict(plain(v, dtype), **hints)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="16384x16032,16384x32000")
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--shapes", default="16384x16032,16384x32000,16384x128256")
+    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")
+    ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--flush", default="dirty,clean")
+    ap.add_argument("--flush", default="dirty")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    groups = set(args.only.split(","))
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    plain_bwd_config = K.backward_config
+    follower = torch.ones(6 << 20, device="cuda")  # 24 MiB: fits in the 50 MB L2
     rows = []
     for shape in args.shapes.split(","):
         n, v = (int(d) for d in shape.split("x"))
@@ -85,43 +105,82 @@ def main() -> None:
         view, view_inplace = row_view(x), row_view(x_inplace)
         K.forward(view, t, opts, None, loss, lse)
         dview = like_rows(view)
-        bytes_moved = 4 * n * v  # both kernels: read 2 B and write 2 B per element
-        variants = []
-        for hint in HINTS:
-            for inplace in (False, True):
-                def bwd(hint=hint, src=view_inplace if inplace else view,
-                        dst=view_inplace if inplace else dview):
-                    cfg = dict(plain_bwd_config(v, torch.bfloat16), LOAD_HINT=hint[0],
-                               STORE_HINT=hint[1])
-                    K.backward_config = lambda *_a: cfg
-                    K.backward(src, dst, t, lse, g, None, opts)
-                variants.append((("backward", hint[0] or "-", hint[1] or "-", inplace), bwd))
-        for store_hint in ("", "evict_first"):
-            cfg = dict(K.fused_config(v, x.dtype), STORE_HINT=store_hint)
-            for inplace in (False, True):
-                def fused(src=view_inplace if inplace else view,
-                          dst=view_inplace if inplace else dview, cfg=cfg):
-                    c = K.count(t, opts.ignore_index)
-                    K.forward_grad(src, dst, t, loss, lse, c, opts, config=cfg)
-                variants.append((("fused_mean", "evict_first", store_hint or "-", inplace), fused))
-        times = {key: {m: [] for m in args.flush.split(",")} for key, _ in variants}
+
+        def fwd(hint):
+            def run():
+                K.forward_config = hinted(PLAIN_FWD, LOAD_HINT=hint)
+                K.forward(view, t, opts, None, loss, lse)
+            return run
+
+        def bwd(load, store, inplace):
+            def run():
+                K.backward_config = hinted(PLAIN_BWD, LOAD_HINT=load, STORE_HINT=store)
+                src = view_inplace if inplace else view
+                K.backward(src, src if inplace else dview, t, lse, g, None, opts)
+            return run
+
+        def pair(fwd_hint, load, store, inplace):
+            first, second = fwd(fwd_hint), bwd(load, store, inplace)
+            return lambda: (first(), second())
+
+        def fused(second, store, inplace):
+            cfg = dict(K.fused_config(v, x.dtype), SECOND_HINT=second, STORE_HINT=store)
+            src = view_inplace if inplace else view
+
+            def run():
+                c = K.count(t, opts.ignore_index)
+                K.forward_grad(src, src if inplace else dview, t, loss, lse, c, opts, config=cfg)
+            return run
+
+        def read_twice():
+            follower.sum()
+            follower.sum()
+
+        variants = []  # (group, name, bytes per element, fn, after)
+        for h in ("evict_first", "", "evict_last"):
+            variants.append(("fwd", f"load={h or '-'}", 2, fwd(h), None))
+        for load in ("", "evict_last"):
+            for store in ("", "evict_first", "evict_last"):
+                for inplace in (False, True):
+                    variants.append(("bwd", f"load={load or '-'} store={store or '-'} "
+                                     f"{'inplace' if inplace else 'new'}", 4,
+                                     bwd(load, store, inplace), None))
+        for fh, load, inplace in [("evict_first", "", False), ("evict_first", "evict_last", False),
+                                  ("", "evict_last", False), ("evict_first", "", True),
+                                  ("evict_first", "evict_last", True)]:
+            variants.append(("pair", f"fwd={fh or '-'} bwd_load={load or '-'} "
+                             f"{'inplace' if inplace else 'new'}", 6,
+                             pair(fh, load, "", inplace), None))
+        for second in ("evict_first", ""):
+            for store in ("", "evict_first"):
+                for inplace in (False, True):
+                    variants.append(("fused", f"second={second or '-'} store={store or '-'} "
+                                     f"{'inplace' if inplace else 'new'}", 4,
+                                     fused(second, store, inplace), None))
+        for load in ("", "evict_last"):
+            variants.append(("after", f"bwd_load={load or '-'}: 2x24 MiB read", 0,
+                             bwd(load, "", False), read_twice))
+        variants = [var for var in variants if var[0] in groups]
+
+        modes = args.flush.split(",")
+        times = {i: {m: [] for m in modes} for i in range(len(variants))}
         for r in range(args.rounds):
-            k = r % len(variants)
-            for key, fn in variants[k:] + variants[:k]:
-                for mode in args.flush.split(","):
-                    times[key][mode].append(timed(fn, args.reps, flush, mode == "clean"))
-        K.backward_config = plain_bwd_config
-        bound_ms = bytes_moved / bw * 1e3
-        for key, by_mode in times.items():
-            for mode, ms in by_mode.items():
-                row = dict(shape=shape, kernel=key[0], load_hint=key[1], store_hint=key[2],
-                           inplace=key[3], flush=mode, ms=ms, ratio=[m / bound_ms for m in ms])
-                rows.append(row)
-                print(f"{shape} {key[0]:10s} load {key[1]:11s} store {key[2]:11s} "
-                      f"{'inplace' if key[3] else 'new    '} {mode:5s} "
-                      + " ".join(f"{m * 1e3:7.1f} us ({m / bound_ms:.3f})" for m in ms),
-                      flush=True)
-        del x, x_inplace, view, view_inplace, dview
+            k = (r * 7) % len(variants)
+            for i in list(range(k, len(variants))) + list(range(k)):
+                _, _, _, fn, after = variants[i]
+                for mode in modes:
+                    times[i][mode].append(timed(fn, args.reps, flush, mode == "clean", after))
+        K.forward_config, K.backward_config = PLAIN_FWD, PLAIN_BWD
+        for i, (group, name, per_elem, _, _) in enumerate(variants):
+            bound_ms = per_elem * n * v / bw * 1e3 if per_elem else None
+            for mode, ms in times[i].items():
+                ratio = [m / bound_ms for m in ms] if bound_ms else None
+                rows.append(dict(shape=shape, group=group, variant=name, flush=mode, ms=ms,
+                                 ratio=ratio))
+                cells = " ".join(f"{m * 1e3:8.1f} us" + (f" ({m / bound_ms:.3f})" if bound_ms
+                                                          else "") for m in ms)
+                print(f"{shape} {group:5s} {name:44s} {mode:5s} {cells}", flush=True)
+        x = x_inplace = view = view_inplace = dview = variants = None  # free before the next shape
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(bandwidth=bw, reps=args.reps, rows=rows), f, indent=1)

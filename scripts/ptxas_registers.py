@@ -32,7 +32,8 @@ def signature(dtype: str) -> dict:
                "d1": "i64", "tgt_stride": "i32", "vocab_start": "i32", "V_global": "i32",
                "ignore_index": "i32", "smoothing": "fp32", "z_loss": "fp32"}
     consts = {name: "constexpr" for name in ("MEAN", "HAS_SMOOTHING", "HAS_Z", "BLOCK", "VEC",
-                                             "GRAD_BLOCK", "SPLIT", "GDC", "SUM_IN_GRAD")}
+                                             "GRAD_BLOCK", "SPLIT", "GDC", "SUM_IN_GRAD",
+                                             "FIRST_HINT", "SECOND_HINT", "STORE_HINT")}
     return {**ptrs, **scalars, **consts}
 
 
@@ -48,7 +49,8 @@ def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
            sum_in_grad: bool) -> str:
     consts = dict(MEAN=True, HAS_SMOOTHING=smoothing, HAS_Z=False, BLOCK=block,
                   VEC=16 // (2 if dtype == "bf16" else 4), GRAD_BLOCK=grad_block, SPLIT=False,
-                  GDC=False, SUM_IN_GRAD=sum_in_grad)
+                  GDC=False, SUM_IN_GRAD=sum_in_grad, FIRST_HINT="evict_last",
+                  SECOND_HINT="evict_first", STORE_HINT="")
     src = ASTSource(fn=K._ce_forward_grad_kernel, signature=signature(dtype), constexprs=consts)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     with tempfile.TemporaryDirectory() as tmp:

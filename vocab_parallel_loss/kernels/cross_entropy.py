@@ -56,14 +56,9 @@ def _target_logit(x_row, t_local, V_local):
 
 
 @triton.jit
-def _load_masked(ptrs, mask, KEEP: tl.constexpr):
-    """A row block in fp32, -inf past the row's end. ``KEEP``: the row is read again right after
-    (the fused kernel), so it is left in L2; else it is evicted first."""
-    if KEEP:
-        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_last")
-    else:
-        x = tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy="evict_first")
-    return x.to(tl.float32)
+def _load_masked(ptrs, mask, HINT: tl.constexpr):
+    """A row block in fp32, -inf past the row's end, read with the L2 eviction policy ``HINT``."""
+    return tl.load(ptrs, mask=mask, other=float("-inf"), eviction_policy=HINT).to(tl.float32)
 
 
 @triton.jit
@@ -78,7 +73,7 @@ def _stats_step(x, m, s):
 
 @triton.jit
 def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-                     VEC: tl.constexpr, KEEP: tl.constexpr):
+                     VEC: tl.constexpr, HINT: tl.constexpr):
     """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
     instructions per element (2-3% off the per-token forward kernel; the fused kernel, where a
     row is one or two blocks, was slower with it: see ``fused_config``). The sum of logits is
@@ -90,17 +85,14 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
     sum_x = tl.zeros([BLOCK // VEC, VEC], tl.float32)
     n_full = V_local // BLOCK
     for b in range(0, n_full):
-        if KEEP:
-            x = tl.load(x_row + b * BLOCK + offs, eviction_policy="evict_last").to(tl.float32)
-        else:
-            x = tl.load(x_row + b * BLOCK + offs, eviction_policy="evict_first").to(tl.float32)
+        x = tl.load(x_row + b * BLOCK + offs, eviction_policy=HINT).to(tl.float32)
         m, s = _stats_step(x, m, s)
         if HAS_SMOOTHING:
             sum_x += x
     if n_full * BLOCK < V_local:
         idx = n_full * BLOCK + offs
         mask = idx < V_local
-        x = _load_masked(x_row + idx, mask, KEEP)
+        x = _load_masked(x_row + idx, mask, HINT)
         m, s = _stats_step(x, m, s)
         if HAS_SMOOTHING:
             sum_x += tl.where(mask, x, 0.0)
@@ -109,21 +101,23 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr, KEEP: tl.constexpr = False, SPLIT: tl.constexpr = False):
+               VEC: tl.constexpr, HINT: tl.constexpr = "evict_first",
+               SPLIT: tl.constexpr = False):
     """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
     elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
     the reductions over ``VEC`` stay inside a thread: no shared-memory round trip per block, and
     one ``exp2`` per element (plus one per ``VEC`` elements to rescale). Tile rows are merged once,
-    at the end. ``KEEP`` marks the loads to stay in L2 (the fused kernel reads the row twice).
+    at the end. ``HINT``: the L2 eviction policy of the reads (``evict_last`` in the fused
+    kernel, which reads the row twice).
     ``SPLIT`` reads whole blocks without a mask and then the tail (``_row_stats_split``).
     """
     # the target logit first: its latency then overlaps the streaming loop instead of
     # trailing it (worth several % on short TP shards)
     x_t = _target_logit(x_row, t_local, V_local)
     if SPLIT:
-        m, s, sum_x = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, KEEP)
+        m, s, sum_x = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, HINT)
     else:
         offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
         m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
@@ -132,7 +126,7 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
         for start in range(0, V_local, BLOCK):
             idx = start + offs
             mask = idx < V_local
-            x = _load_masked(x_row + idx, mask, KEEP)
+            x = _load_masked(x_row + idx, mask, HINT)
             m, s = _stats_step(x, m, s)
             if HAS_SMOOTHING:
                 sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
@@ -172,12 +166,13 @@ def _ce_forward_kernel(
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     FINALIZE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr = False,
+    LOAD_HINT: tl.constexpr = "evict_first",
 ):
     row = tl.program_id(0)
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
     m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK, VEC,
-                                  False, SPLIT)
+                                  LOAD_HINT, SPLIT)
     if FINALIZE:
         # one shard holds the whole vocabulary: the loss comes straight out
         lse = m + tl.log2(s) * 0.6931471805599453
@@ -276,7 +271,7 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
                    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr = False,
-                   STORE_HINT: tl.constexpr = ""):
+                   LOAD_HINT: tl.constexpr = "evict_first", STORE_HINT: tl.constexpr = ""):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
     two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
     (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
@@ -300,7 +295,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
             idx = tail + cols
             mask = idx < V_local
             x = tl.load(x_row + idx, mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
+                        eviction_policy=LOAD_HINT).to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
@@ -310,7 +305,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
                      eviction_policy=STORE_HINT)
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
-            x = tl.load(x_row + idx, eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(x_row + idx, eviction_policy=LOAD_HINT).to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
@@ -420,7 +415,9 @@ def _ce_forward_grad_kernel(
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
     VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, SPLIT: tl.constexpr = False,
-    GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False, STORE_HINT: tl.constexpr = "",
+    GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False,
+    FIRST_HINT: tl.constexpr = "evict_last", SECOND_HINT: tl.constexpr = "evict_first",
+    STORE_HINT: tl.constexpr = "",
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -444,13 +441,14 @@ def _ce_forward_grad_kernel(
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
         if SUM_IN_GRAD:  # the lse now (NaN for an out-of-range target), the loss after pass 2
-            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, True, SPLIT)
+            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, FIRST_HINT,
+                                      SPLIT)
             lse_raw = m + tl.log2(s) * 0.6931471805599453
             _, lse = _loss_from_stats(t, lse_raw, x_t, 0.0, V_global, ignore_index, smoothing,
                                       z_loss, False, HAS_Z)
         else:
             m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
-                                          True, SPLIT)
+                                          FIRST_HINT, SPLIT)
             loss, lse = _loss_from_stats(t, m + tl.log2(s) * 0.6931471805599453, x_t, sum_x,
                                          V_global, ignore_index, smoothing, z_loss,
                                          HAS_SMOOTHING, HAS_Z)
@@ -467,7 +465,8 @@ def _ce_forward_grad_kernel(
                                                  HAS_Z)
         sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
                                x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
-                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, STORE_HINT)
+                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, SECOND_HINT,
+                               STORE_HINT)
         if SUM_IN_GRAD:
             loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
                                        z_loss, HAS_SMOOTHING, HAS_Z)
