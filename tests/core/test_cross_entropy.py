@@ -382,8 +382,8 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
     # with blocks shorter than the row read as whole blocks without a mask and then a tail;
     # sum_in_grad: label smoothing's sum of logits taken in the second pass or in the first
     small = dict(BLOCK=512, GRAD_BLOCK=1024, SPLIT=True) if per_sm else {}
-    monkeypatch.setattr(kernels, "fused_config", lambda v, d, ls=False: dict(
-        default(v, d, ls), programs_per_sm=per_sm, SUM_IN_GRAD=sum_in_grad, **small))
+    monkeypatch.setattr(kernels, "fused_config", lambda v, d, ls=False, inplace=False: dict(
+        default(v, d, ls, inplace), programs_per_sm=per_sm, SUM_IN_GRAD=sum_in_grad, **small))
     logits = make_logits((7, 3, 2053), torch.bfloat16, "sbv_transposed").requires_grad_()
     target = make_target((7, 3), 2053)
     saved = []
@@ -401,6 +401,32 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
     # sum that missed the 5 columns of a row's tail would be 4e-7 off, relative)
     torch.testing.assert_close(grads["1"][0], grads["0"][0], rtol=2e-7, atol=0)
     assert torch.equal(grads["1"][1], grads["0"][1])  # the same fp32 formula, rounded once
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fused_path_picks_its_config_for_where_the_gradient_goes(impl, monkeypatch, inplace):
+    """The fused kernel's write hint depends on whether the gradient overwrites the logits: the
+    config must be asked with that, and the in-place result must equal the out-of-place one."""
+    if impl != "triton":
+        pytest.skip("the fused path is Triton's")
+    kernels = ce_mod._triton_kernels
+    default, asked = kernels.fused_config, []
+
+    def spy(v, d, ls=False, inplace=False):
+        asked.append(inplace)
+        return default(v, d, ls, inplace)
+
+    monkeypatch.setattr(kernels, "fused_config", spy)
+    monkeypatch.setattr(ce_mod, "_plans", {})
+    logits = make_logits((5, 301), torch.bfloat16, "contiguous")
+    target = make_target((5,), 301)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x * 1, target, reduction="mean", inplace_backward=inplace)
+    (grad,) = torch.autograd.grad(loss, x)
+    assert asked == [inplace]
+    ref = logits.clone().requires_grad_()
+    (ref_grad,) = torch.autograd.grad(cross_entropy(ref, target, reduction="mean"), ref)
+    assert torch.equal(grad, ref_grad)
 
 
 def test_cached_call_plans_keep_every_check(impl):

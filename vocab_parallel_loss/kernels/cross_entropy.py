@@ -166,7 +166,7 @@ def _ce_forward_kernel(
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     FINALIZE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
     BLOCK: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr = False,
-    LOAD_HINT: tl.constexpr = "evict_first",
+    LOAD_HINT: tl.constexpr = "",
 ):
     row = tl.program_id(0)
     x_row = x_ptr + _row_start(row, D1, s0, s1)
@@ -508,20 +508,34 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
     # with 4 warps were within 3% of the best on every shape (0.99-1.12x the 2 B bound). Whole
     # blocks without a mask (SPLIT) took 2-3% more off every shape (2026-12-03,
     # tuning/h200-2026-12-03-split-*: 1.118x at 16032 columns, 1.057 at 32000, 0.99 at 128256)
+    # Reads without an eviction hint: evict_first (the earlier choice) was 2-5% slower
+    # (2026-12-03, scripts/diag_inplace.py, two rounds: 131-132 against 133-136 us at 16032
+    # columns, 243-244 against 251-257 at 32000, 921-922 against 949-964 at 128256;
+    # tuning/h200-2026-12-03-hints-*). evict_last measured the same as no hint.
     vec = 16 // dtype.itemsize
-    return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4, SPLIT=True)
+    return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4, SPLIT=True,
+                LOAD_HINT="")
 
 
 @functools.lru_cache(maxsize=256)
 def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
     # the H200 sweeps (tuning/h200-2026-12-0[23]-*): 8K-16K blocks; 32 warps on rows over 16K
-    # columns (at 32000: 506 us against 520 with 8 warps, in three sweeps), 8 on 16K shards
+    # columns (at 32000: 506 us against 520 with 8 warps, in three sweeps), 8 on 16K shards.
+    # The logits are read with evict_last, although they are not read again: 2.5-3% faster
+    # into a new buffer and 1.5-3% in place (2026-12-03, scripts/diag_inplace.py, the same in
+    # both rounds: 252 against 258 us at 16032 columns, 490 against 506 at 32000, 2035 against
+    # 2087 at 128256; tuning/h200-2026-12-03-hints-*). Why is not known (a guess: the
+    # gradient's unhinted lines are then evicted first, so its write-back streams out
+    # earlier). evict_first was slower on the reads (1-4%) and on the writes (0.5-4%). The cost
+    # to the next kernel: a 24 MiB buffer read twice right after took 31.1 against 29.0 us
+    # (16032), 29.8 against 28.9 (32000), the same at 128256.
+    hint = dict(LOAD_HINT="evict_last", STORE_HINT="")
     if v_local > 32768:
-        return dict(BLOCK=8192, num_warps=32)
+        return dict(BLOCK=8192, num_warps=32, **hint)
     if v_local > 16384:
-        return dict(BLOCK=16384, num_warps=32)
-    return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4)
+        return dict(BLOCK=16384, num_warps=32, **hint)
+    return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4, **hint)
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
@@ -637,8 +651,10 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=256)
-def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> dict:
-    """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid.
+def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False,
+                 inplace: bool = False) -> dict:
+    """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid;
+    ``inplace``: the gradient is written over the logits.
 
     The grid bounds the rows in flight, so that a row is still in L2 when its program reads it
     the second time: rows in flight x row bytes must stay well under the 50 MB L2.
@@ -674,9 +690,17 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> d
         block, grad_block, warps = 16384, 8192, 8
     elif smoothing and row_bytes <= 131072:
         block, grad_block, warps = 4096, 8192, 8 if row_bytes <= 65536 else 16
+    # L2 eviction: the first read keeps the row (evict_last), the second lets it go
+    # (evict_first). The gradient's writes evict_first: 0.5-2.4% faster into a new buffer
+    # (271 against 272 us at 16032 columns, 529 against 539 at 32000, 2610 against 2673 at
+    # 128256) and 2-4% in place on rows over 32 KB, but 1.7% slower in place on 32 KB rows
+    # (282 against 278 us at 16032), which stay unhinted (2026-12-03, scripts/diag_inplace.py,
+    # both rounds alike; tuning/h200-2026-12-03-hints-*).
+    store = "" if inplace and row_bytes <= 32768 else "evict_first"
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
                 GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0,
-                SPLIT=False, SUM_IN_GRAD=sum_in_grad)
+                SPLIT=False, SUM_IN_GRAD=sum_in_grad, FIRST_HINT="evict_last",
+                SECOND_HINT="evict_first", STORE_HINT=store)
 
 
 #: Up to this many tokens ``count`` is one single-program launch, else PyTorch's reduction
@@ -750,7 +774,8 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     mean = count is not None
-    cfg = dict(config or fused_config(v_local, x.dtype, opts.smoothing > 0))
+    cfg = dict(config or fused_config(v_local, x.dtype, opts.smoothing > 0,
+                                      dview.tensor is x))
     per_sm = cfg.pop("programs_per_sm")
     grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
     args = (x, dview.tensor, target, loss, lse, count if mean else lse,
