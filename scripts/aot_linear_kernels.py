@@ -27,6 +27,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from vocab_parallel_loss.kernels import linear_cross_entropy as K  # noqa: E402
+from vocab_parallel_loss.kernels._launch import PINNED  # noqa: E402  (as every launch)
 
 DIV16 = ("N", "V", "H", "M", "NN", "K", "n_cols", "v_start")
 
@@ -37,7 +38,7 @@ def _compile(fn, sig, consts, warps, stages, arch):
                                             or nm in DIV16)}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=warps, num_stages=stages))
+                          options=dict(num_warps=warps, num_stages=stages, **PINNED))
 
 
 def _usage(k) -> str:

@@ -186,3 +186,36 @@ def test_launch_memo_repeats_only_identical_launches(monkeypatch):
     monkeypatch.setattr(_launch, "_hooks_set", lambda k: True)
     _launch.launch_memo(memo, "s", kernel, (4,), (x, 5), kwargs)
     assert len(made) == 6 and len(kernel.compiles) == 4
+
+
+def test_every_launch_pins_fma_contraction(monkeypatch):
+    """Triton 3.10 turns FMA contraction off by default: the kernels were tuned and their rounding
+    tested with it on, so every launch must ask for it (``_launch.PINNED``), through the launch
+    helpers and in the direct launches of the fused linear kernels."""
+    calls = []
+
+    class Recorder:  # not a JITFunction: the launch goes through ``kernel[grid]``
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append(kwargs)
+
+    monkeypatch.setattr(_launch, "_enabled", False)
+    _launch.launch(Recorder(), (1,), 3, BLOCK=4)
+    _launch.launch_memo({}, "slot", Recorder(), (1,), (3,), lambda: dict(BLOCK=8))
+    assert calls == [dict(enable_fp_fusion=True, BLOCK=4), dict(enable_fp_fusion=True, BLOCK=8)]
+    assert _launch.PINNED == {"enable_fp_fusion": True}
+    import re
+    from pathlib import Path
+
+    launches = 0
+    for path in Path(_launch.__file__).parent.glob("*.py"):
+        src = path.read_text()
+        for match in re.finditer(r"\b\w+\[[^\]\n]+\]\(", src):  # ``name[grid](``
+            depth, end = 1, match.end()
+            while depth:  # to the matching parenthesis
+                depth += {"(": 1, ")": -1}.get(src[end], 0)
+                end += 1
+            call = src[match.end():end]
+            if "num_warps" in call:  # a kernel launch, not an indexing call
+                launches += 1
+                assert "**PINNED" in call, f"{path.name}: a launch without PINNED: {call[:80]}"
+    assert launches >= 5  # the fused linear kernels' direct launches at least

@@ -61,6 +61,12 @@ _HookChain = None
 _JITFunction = None
 
 
+#: compile options every launch pins. FMA contraction: Triton 3.9 warns that 3.10 turns it off
+#: by default; the kernels were tuned with it (the fused kernel is close to instruction-bound)
+#: and their rounding tested with it, so a Triton upgrade must not change it silently.
+PINNED = {"enable_fp_fusion": True}
+
+
 def set_enabled(on: bool) -> None:
     """Turn the fast path on or off in this process (``VPL_FAST_LAUNCH=0`` sets it off)."""
     global _enabled
@@ -138,7 +144,7 @@ def _launch(kernel, grid, args, kwargs):
         _decide()
     if not _enabled or type(kernel) is not _JITFunction or _hooks_set(kernel):
         counts["triton"] += 1
-        kernel[grid](*args, **kwargs)
+        kernel[grid](*args, **{**PINNED, **kwargs})
         return None
     try:
         device = _driver[0]()
@@ -149,7 +155,7 @@ def _launch(kernel, grid, args, kwargs):
         key = entry = None
     if entry is None:
         counts["triton"] += 1
-        compiled = kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*args, **{**PINNED, **kwargs})  # the key need not hold PINNED
         if key is not None:
             try:
                 _remember(kernel, key, compiled, len(args), kwargs)

@@ -49,6 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import PINNED  # compile options every launch pins (FMA contraction)
+
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # pragma: no cover - older Triton
@@ -685,6 +687,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
         DOT_PREC=_dot_precision(e.dtype), UPCAST=_upcast(e.dtype), DESC=desc,
         FLAT=desc and cfg.fwd_flat, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        **PINNED,
     )
     if split == 1:
         return stats
@@ -738,7 +741,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         ACCUMULATE=accumulate, EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
         GROUP_M=cfg.mm_group_m, DOT_PREC=_dot_precision(a.dtype), UPCAST=_upcast(a.dtype),
-        num_warps=cfg.mm_warps, num_stages=cfg.mm_stages,
+        num_warps=cfg.mm_warps, num_stages=cfg.mm_stages, **PINNED,
     )
 
 
@@ -890,7 +893,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
             DOT_PREC=dot_prec, UPCAST=_upcast(e.dtype), DESC=desc, FLAT=flat, DESC_OUT=desc_out,
-            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **PINNED,
         )
         dz = d[:, :nc]
         if need_de:
@@ -1000,7 +1003,7 @@ def rows_stats(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torch.Ten
         x, bias if bias is not None else x, targets, stats, n, v, x.stride(0),
         targets.stride(0), stats.stride(0), v_offset, float(softcap) if softcap else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
-        BLOCK=cfg.row_block, num_warps=cfg.row_warps)
+        BLOCK=cfg.row_block, num_warps=cfg.row_warps, **PINNED)
     return stats
 
 
@@ -1027,5 +1030,5 @@ def rows_dz_inplace(x: torch.Tensor, bias: Optional[torch.Tensor], targets: torc
         x, bias if bias is not None else x, targets, coef, d, n, v, x.stride(0), d.stride(0),
         targets.stride(0), v_offset, float(softcap) if softcap else 1.0,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), BLOCK=cfg.row_block,
-        num_warps=cfg.row_warps)
+        num_warps=cfg.row_warps, **PINNED)
     return d
