@@ -529,8 +529,10 @@ def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     # gradient's unhinted lines are then evicted first, so its write-back streams out
     # earlier). evict_first was slower on the reads (1-4%) and on the writes (0.5-4%). The cost
     # to the next kernel: a 24 MiB buffer read twice right after took 31.1 against 29.0 us
-    # (16032), 29.8 against 28.9 (32000), the same at 128256.
-    hint = dict(LOAD_HINT="evict_last", STORE_HINT="")
+    # (16032), 29.8 against 28.9 (32000), the same at 128256. Only 2-byte logits were swept;
+    # fp32 ones at 32000 columns took 1.031 ms with the hint in bench run 12 against 0.999
+    # without in run 11, so fp32 reads stay unhinted.
+    hint = dict(LOAD_HINT="evict_last" if dtype.itemsize == 2 else "", STORE_HINT="")
     if v_local > 32768:
         return dict(BLOCK=8192, num_warps=32, **hint)
     if v_local > 16384:
