@@ -101,16 +101,15 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr, HINT: tl.constexpr = "evict_first",
-               SPLIT: tl.constexpr = False):
+               VEC: tl.constexpr, HINT: tl.constexpr = "", SPLIT: tl.constexpr = False):
     """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
     elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
     the reductions over ``VEC`` stay inside a thread: no shared-memory round trip per block, and
     one ``exp2`` per element (plus one per ``VEC`` elements to rescale). Tile rows are merged once,
-    at the end. ``HINT``: the L2 eviction policy of the reads (``evict_last`` in the fused
-    kernel, which reads the row twice).
+    at the end. ``HINT``: the L2 eviction policy of the reads (``forward_config``; the fused
+    kernel, which reads the row twice, keeps it with ``evict_last``).
     ``SPLIT`` reads whole blocks without a mask and then the tail (``_row_stats_split``).
     """
     # the target logit first: its latency then overlaps the streaming loop instead of
