@@ -53,7 +53,8 @@ def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
                   GDC=False, SUM_IN_GRAD=sum_in_grad, FIRST_HINT="evict_last",
                   SECOND_HINT="evict_first", STORE_HINT="")
     src = ASTSource(fn=K._ce_forward_grad_kernel, signature=signature(dtype), constexprs=consts)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, **PINNED))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=warps, **PINNED))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:

@@ -259,9 +259,10 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
         mask = idx < V_local
         x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy=LOAD_HINT).to(tl.float32)
         p = tl.exp2(x * 1.4426950408889634 - lse2)
-        dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
-        if HAS_SMOOTHING:
-            dx -= uniform
+        if HAS_SMOOTHING:  # the uniform term folded into the selected constant: one FMA
+            dx = coef * p - tl.where(idx == t_local, target_coef + uniform, uniform)
+        else:
+            dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
         dx = tl.where(valid, dx, 0.0)
         tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
                  eviction_policy=STORE_HINT)
@@ -313,9 +314,8 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT)
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
-        dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - target_coef
-        if HAS_SMOOTHING:
-            dx_t -= uniform
+        # the same rounding as ``_row_grad``'s target column (the two paths agree bitwise)
+        dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - (target_coef + uniform)
         tl.store(dx_row + tl.where(in_shard, t_local, 0), dx_t.to(dx_row.dtype.element_ty),
                  mask=in_shard)
     else:
