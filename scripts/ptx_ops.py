@@ -1,0 +1,109 @@
+"""Instruction budget of the per-token kernels over logits, without a GPU: registers (ptxas for
+sm_90) and PTX instructions by opcode, per variant.
+
+    TRITON_INTERPRET=0 python scripts/ptx_ops.py [--kernel backward|forward] [--v 32000]
+
+The kernels stream memory, but at 4 B per element the backward is close to issue-bound on the
+H200: one more instruction per element (label smoothing's subtraction, 16 per 16 elements
+against ~305 PTX instructions) made it 6% slower in bench run 12. So a change to the
+per-element arithmetic can be checked here first, and what it costs or saves is in the counts.
+Pointers and the row sizes are specialised as a real launch of aligned tensors would be (16-byte
+divisibility), so the loads are vectorised as on the GPU; the configs are the shipped ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vocab_parallel_loss.kernels import cross_entropy as K
+from vocab_parallel_loss.kernels._launch import PINNED
+
+PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+SIGNATURES = {
+    "backward": ({"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "lse_ptr": "*fp32",
+                  "dloss_ptr": "*fp32", "count_ptr": "*fp32", "N": "i32", "V_local": "i32",
+                  "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64",
+                  "tgt_stride": "i32", "dloss_stride": "i32"},
+                 ("x_ptr", "dx_ptr", "tgt_ptr", "lse_ptr", "dloss_ptr", "count_ptr", "V_local",
+                  "s0", "d0")),
+    "forward": ({"x_ptr": "x", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "loss_ptr": "*fp32",
+                 "lse_ptr": "*fp32", "N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64",
+                 "s1": "i64", "tgt_stride": "i32"},
+                ("x_ptr", "tgt_ptr", "stats_ptr", "loss_ptr", "lse_ptr", "V_local", "s0")),
+}
+OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
+           "z_loss": "fp32"}
+
+
+def ptxas() -> str:
+    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in ("ptxas-blackwell", "ptxas"):
+        if os.path.exists(os.path.join(folder, name)):
+            return os.path.join(folder, name)
+    raise SystemExit("this Triton ships no ptxas")
+
+
+def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z: bool):
+    """(registers, Counter of PTX opcodes) of one shipped config."""
+    args, aligned = SIGNATURES[kernel]
+    sig = {name: PTR[dtype] if t == "x" else t for name, t in args.items()}
+    sig.update(OPTIONS)
+    if kernel == "backward":
+        fn, cfg = K._ce_backward_kernel, dict(K.backward_config(v, dtype))
+        consts = dict(MEAN=False, HAS_SMOOTHING=smoothing, HAS_Z=z, UNLESS_UNIT=False)
+    else:
+        fn, cfg = K._ce_forward_kernel, dict(K.forward_config(v, dtype))
+        consts = dict(FINALIZE=True, HAS_SMOOTHING=smoothing, HAS_Z=z)
+    warps = cfg.pop("num_warps")
+    consts.update(cfg)
+    sig.update({name: "constexpr" for name in consts})
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, **PINNED))
+    ptx = compiled.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                             capture_output=True, text=True)
+    regs = re.search(r"Used (\d+) registers", out.stderr)
+    ops = collections.Counter()
+    for line in ptx.splitlines():
+        word = line.strip().split(" ")[0].rstrip(";")
+        if word[:1].isalpha() and "." in word and not word.startswith("."):
+            ops[word.split(".")[0]] += 1
+    return (int(regs.group(1)) if regs else None), ops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernel", default="backward", choices=tuple(SIGNATURES))
+    ap.add_argument("--v", type=int, default=32000, help="columns of the shard (picks the config)")
+    args = ap.parse_args()
+    shown = ("ld", "st", "ex2", "fma", "add", "sub", "mul", "selp", "setp", "cvt", "max")
+    print(f"{args.kernel}, {args.v} columns: registers, PTX instructions (all, and by opcode)")
+    for dtype in (torch.bfloat16, torch.float32):
+        for smoothing, z in ((False, False), (True, False), (False, True)):
+            regs, ops = compile_variant(args.kernel, args.v, dtype, smoothing, z)
+            name = {(False, False): "plain", (True, False): "smoothing",
+                    (False, True): "z-loss"}[(smoothing, z)]
+            counts = " ".join(f"{op} {ops[op]}" for op in shown if ops[op])
+            print(f"{str(dtype).replace('torch.', ''):9s} {name:10s} {regs} regs, "
+                  f"{sum(ops.values())} ops: {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
