@@ -1,7 +1,9 @@
-"""Instruction budget of the per-token kernels over logits, without a GPU: registers (ptxas for
-sm_90) and PTX instructions by opcode, per variant.
+"""Instruction budget of the kernels over logits, without a GPU: registers (ptxas for sm_90) and
+PTX instructions by opcode, per variant.
 
-    TRITON_INTERPRET=0 python scripts/ptx_ops.py [--kernel backward|forward] [--v 32000]
+    TRITON_INTERPRET=0 python scripts/ptx_ops.py [--kernel backward|forward|fused] [--v 32000]
+
+``fused`` is the reduced loss's kernel (``_ce_forward_grad_kernel``, the mean, out of place).
 
 The kernels stream memory, but at 4 B per element the backward is close to issue-bound on the
 H200: one more instruction per element (label smoothing's subtraction, 16 per 16 elements
@@ -36,6 +38,11 @@ SIGNATURES = {
                   "tgt_stride": "i32", "dloss_stride": "i32"},
                  ("x_ptr", "dx_ptr", "tgt_ptr", "lse_ptr", "dloss_ptr", "count_ptr", "V_local",
                   "s0", "d0")),
+    "fused": ({"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
+               "lse_ptr": "*fp32", "count_ptr": "*i64", "N": "i32", "V_local": "i32", "D1": "i32",
+               "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "tgt_stride": "i32"},
+              ("x_ptr", "dx_ptr", "tgt_ptr", "loss_ptr", "lse_ptr", "count_ptr", "V_local", "s0",
+               "d0")),
     "forward": ({"x_ptr": "x", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "loss_ptr": "*fp32",
                  "lse_ptr": "*fp32", "N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64",
                  "s1": "i64", "tgt_stride": "i32"},
@@ -61,6 +68,10 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
     if kernel == "backward":
         fn, cfg = K._ce_backward_kernel, dict(K.backward_config(v, dtype))
         consts = dict(MEAN=False, HAS_SMOOTHING=smoothing, HAS_Z=z, UNLESS_UNIT=False)
+    elif kernel == "fused":  # the mean, out of place, without programmatic dependent launch
+        fn, cfg = K._ce_forward_grad_kernel, dict(K.fused_config(v, dtype, smoothing))
+        cfg.pop("programs_per_sm")
+        consts = dict(MEAN=True, HAS_SMOOTHING=smoothing, HAS_Z=z, GDC=False)
     else:
         fn, cfg = K._ce_forward_kernel, dict(K.forward_config(v, dtype))
         consts = dict(FINALIZE=True, HAS_SMOOTHING=smoothing, HAS_Z=z)
