@@ -4,7 +4,8 @@ new buffer: kernel time of each variant, in one process.
     python scripts/diag_inplace.py --out diag_inplace.json
 
 Variants (``--only`` picks groups):
-- ``fwd``: the per-token forward's reads (``LOAD_HINT``, default ``evict_first``);
+- ``fwd``: the per-token forward's reads (``LOAD_HINT``: ``evict_first`` before session 11,
+  none since);
 - ``bwd``: the backward's reads and writes, into a new buffer and into the logits;
 - ``pair``: forward then backward, as a per-token training step runs them;
 - ``fused``: the reduced loss's fused kernel (with its count kernel): second read and writes;
