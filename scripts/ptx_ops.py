@@ -17,16 +17,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import re
-import subprocess
-import tempfile
 
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from ptxas_registers import ptxas_verbose  # scripts/, next to this file
 from vocab_parallel_loss.kernels import cross_entropy as K
 from vocab_parallel_loss.kernels._launch import PINNED
 
@@ -50,14 +48,6 @@ SIGNATURES = {
 }
 OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
            "z_loss": "fp32"}
-
-
-def ptxas() -> str:
-    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for name in ("ptxas-blackwell", "ptxas"):
-        if os.path.exists(os.path.join(folder, name)):
-            return os.path.join(folder, name)
-    raise SystemExit("this Triton ships no ptxas")
 
 
 def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z: bool):
@@ -84,13 +74,7 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, **PINNED))
     ptx = compiled.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        out = subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
-                             capture_output=True, text=True)
-    regs = re.search(r"Used (\d+) registers", out.stderr)
+    regs = re.search(r"Used (\d+) registers", ptxas_verbose(ptx))
     ops = collections.Counter()
     for line in ptx.splitlines():
         word = line.strip().split(" ")[0].rstrip(";")

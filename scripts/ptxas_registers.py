@@ -46,6 +46,16 @@ def ptxas() -> str:
     raise SystemExit("this Triton ships no ptxas")
 
 
+def ptxas_verbose(ptx: str) -> str:
+    """What ``ptxas -v`` reports for ``ptx`` assembled for sm_90a (registers, spills)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        return subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                              capture_output=True, text=True).stderr
+
+
 def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
            sum_in_grad: bool) -> str:
     consts = dict(MEAN=True, HAS_SMOOTHING=smoothing, HAS_Z=False, BLOCK=block,
@@ -55,14 +65,9 @@ def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
     src = ASTSource(fn=K._ce_forward_grad_kernel, signature=signature(dtype), constexprs=consts)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, **PINNED))
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(kernel.asm["ptx"])
-        out = subprocess.run([ptxas(), "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
-                             capture_output=True, text=True)
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    spills = re.findall(r"(\d+) bytes spill (stores|loads)", out.stderr)
+    report = ptxas_verbose(kernel.asm["ptx"])
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.findall(r"(\d+) bytes spill (stores|loads)", report)
     return (f"{regs.group(1) if regs else '?'} registers, "
             + ", ".join(f"{n} B spill {kind}" for n, kind in spills))
 

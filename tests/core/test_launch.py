@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,9 +205,6 @@ def test_every_launch_pins_fma_contraction(monkeypatch):
     _launch.launch_memo({}, "slot", Recorder(), (1,), (3,), lambda: dict(BLOCK=8))
     assert calls == [dict(enable_fp_fusion=True, BLOCK=4), dict(enable_fp_fusion=True, BLOCK=8)]
     assert _launch.PINNED == {"enable_fp_fusion": True}
-    import re
-    from pathlib import Path
-
     launches = 0
     for path in Path(_launch.__file__).parent.glob("*.py"):
         src = path.read_text()
