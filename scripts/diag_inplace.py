@@ -10,7 +10,11 @@ Variants (``--only`` picks groups):
 - ``pair``: forward then backward, as a per-token training step runs them;
 - ``fused``: the reduced loss's fused kernel (with its count kernel): second read and writes;
 - ``after``: a 24 MiB buffer read twice right after the backward, to see whether reads kept
-  in L2 (``evict_last``) crowd out the next kernel's data.
+  in L2 (``evict_last``) crowd out the next kernel's data;
+- ``fcfg``: the fused kernel writing in place, around its shipped config: every pair of second
+  read and store hints, then warps x gradient block and the first pass's block (and the
+  shipped config into a new buffer, for reference). A shape may end in ``-lsS`` (label
+  smoothing S), e.g. ``--shapes 16384x32000-ls0.1 --only fcfg``.
 
 Every variant runs in each of ``--rounds`` rounds, in a rotated order, so drift of the machine
 shows up as spread rather than as a difference. Each rep is flushed first: ``dirty`` zeroes
@@ -81,7 +85,7 @@ def hinted(plain, **hints):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x16032,16384x32000,16384x128256")
-    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")
+    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg: on request
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--flush", default="dirty")
@@ -94,13 +98,15 @@ def main() -> None:
     follower = torch.ones(6 << 20, device="cuda")  # 24 MiB: fits in the 50 MB L2
     rows = []
     for shape in args.shapes.split(","):
-        n, v = (int(d) for d in shape.split("x"))
+        dims, _, ls = shape.partition("-ls")
+        n, v = (int(d) for d in dims.split("x"))
+        smoothing = float(ls or 0.0)
         gen = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(n, v, generator=gen, device="cuda").mul_(2).bfloat16()
         x_inplace = x.clone()
         t = torch.randint(0, v, (n,), generator=gen, device="cuda")
         g = torch.rand(n, generator=gen, device="cuda").add_(0.5)
-        opts = LossOptions(0, v, -100, 0.0, 0.0)
+        opts = LossOptions(0, v, -100, smoothing, 0.0)
         loss = torch.empty(n, device="cuda")
         lse = torch.empty(n, device="cuda")
         view, view_inplace = row_view(x), row_view(x_inplace)
@@ -124,8 +130,10 @@ def main() -> None:
             first, second = fwd(fwd_hint), bwd(load, store, inplace)
             return lambda: (first(), second())
 
-        def fused(second, store, inplace):
-            cfg = dict(K.fused_config(v, x.dtype), SECOND_HINT=second, STORE_HINT=store)
+        def fused(second, store, inplace, **over):
+            cfg = dict(K.fused_config(v, x.dtype, smoothing > 0, inplace), SECOND_HINT=second,
+                       STORE_HINT=store)
+            cfg.update(over)
             src = view_inplace if inplace else view
 
             def run():
@@ -158,6 +166,22 @@ def main() -> None:
                     variants.append(("fused", f"second={second or '-'} store={store or '-'} "
                                      f"{'inplace' if inplace else 'new'}", 4,
                                      fused(second, store, inplace), None))
+        shipped = K.fused_config(v, x.dtype, smoothing > 0, True)
+        hints = dict(second=shipped["SECOND_HINT"], store=shipped["STORE_HINT"])
+        new = K.fused_config(v, x.dtype, smoothing > 0, False)
+        fcfg = [(dict(second=new["SECOND_HINT"], store=new["STORE_HINT"]), {}, False)]
+        fcfg += [(dict(second=a, store=b), {}, True) for a in ("evict_first", "", "evict_last")
+                 for b in ("", "evict_first", "evict_last")]
+        fcfg += [(hints, dict(num_warps=w, GRAD_BLOCK=K._block(v, gb)), True)
+                 for w in (4, 8, 16) for gb in (4096, 8192, 16384)
+                 if (w, K._block(v, gb)) != (shipped["num_warps"], shipped["GRAD_BLOCK"])]
+        fcfg += [(hints, dict(BLOCK=K._block(v, b)), True) for b in (4096, 8192, 16384)
+                 if K._block(v, b) != shipped["BLOCK"]]
+        for h, over, inplace in fcfg:
+            label = " ".join(f"{k}={val}" for k, val in over.items())
+            variants.append(("fcfg", f"second={h['second'] or '-'} store={h['store'] or '-'} "
+                             f"{label} {'inplace' if inplace else 'new'}", 4,
+                             fused(h["second"], h["store"], inplace, **over), None))
         for load in ("", "evict_last"):
             variants.append(("after", f"bwd_load={load or '-'}: 2x24 MiB read", 0,
                              bwd(load, "", False), read_twice))
