@@ -14,7 +14,10 @@ Variants (``--only`` picks groups):
 - ``fcfg``: the fused kernel writing in place, around its shipped config: every pair of second
   read and store hints, then warps x gradient block and the first pass's block (and the
   shipped config into a new buffer, for reference). A shape may end in ``-lsS`` (label
-  smoothing S), e.g. ``--shapes 16384x32000-ls0.1 --only fcfg``.
+  smoothing S), e.g. ``--shapes 16384x32000-ls0.1 --only fcfg``;
+- ``ls``: why label smoothing's per-token passes are slower than plain ones with the same
+  instruction count: the shipped forward and backward with smoothing 0 (plain), 1e-30 (the
+  smoothing code with plain's values: the uniform term underflows) and 0.1.
 
 Every variant runs in each of ``--rounds`` rounds, in a rotated order, so drift of the machine
 shows up as spread rather than as a difference. Each rep is flushed first: ``dirty`` zeroes
@@ -85,7 +88,7 @@ def hinted(plain, **hints):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x16032,16384x32000,16384x128256")
-    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg: on request
+    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg, ls: on request
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--flush", default="dirty")
@@ -141,6 +144,17 @@ def main() -> None:
                 K.forward_grad(src, src if inplace else dview, t, loss, lse, c, opts, config=cfg)
             return run
 
+        def smoothed(which, a):
+            o = LossOptions(0, v, -100, a, 0.0)
+
+            def run():
+                K.forward_config, K.backward_config = PLAIN_FWD, PLAIN_BWD
+                if which == "fwd":
+                    K.forward(view, t, o, None, loss, lse)
+                else:
+                    K.backward(view, dview, t, lse, g, None, o)
+            return run
+
         def read_twice():
             follower.sum()
             follower.sum()
@@ -182,6 +196,10 @@ def main() -> None:
             variants.append(("fcfg", f"second={h['second'] or '-'} store={h['store'] or '-'} "
                              f"{label} {'inplace' if inplace else 'new'}", 4,
                              fused(h["second"], h["store"], inplace, **over), None))
+        for which in ("fwd", "bwd"):
+            for a in (0.0, 1e-30, 0.1):
+                variants.append(("ls", f"{which} smoothing={a:g}", 2 if which == "fwd" else 4,
+                                 smoothed(which, a), None))
         for load in ("", "evict_last"):
             variants.append(("after", f"bwd_load={load or '-'}: 2x24 MiB read", 0,
                              bwd(load, "", False), read_twice))
