@@ -17,7 +17,9 @@ Variants (``--only`` picks groups):
   smoothing S), e.g. ``--shapes 16384x32000-ls0.1 --only fcfg``;
 - ``ls``: why label smoothing's per-token passes are slower than plain ones with the same
   instruction count: the shipped forward and backward with smoothing 0 (plain), 1e-30 (the
-  smoothing code with plain's values: the uniform term underflows) and 0.1.
+  smoothing code with plain's values: the uniform term underflows) and 0.1;
+- ``pcfg``: the per-token forward and backward around their shipped configs (block, warps),
+  with the shape's options (``-lsS`` for label smoothing).
 
 Every variant runs in each of ``--rounds`` rounds, in a rotated order, so drift of the machine
 shows up as spread rather than as a difference. Each rep is flushed first: ``dirty`` zeroes
@@ -88,7 +90,7 @@ def hinted(plain, **hints):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x16032,16384x32000,16384x128256")
-    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg, ls: on request
+    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg, ls, pcfg: on request
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--flush", default="dirty")
@@ -155,6 +157,17 @@ def main() -> None:
                     K.backward(view, dview, t, lse, g, None, o)
             return run
 
+        def configured(which, **over):
+            def run():
+                K.forward_config = lambda v_, d_: dict(PLAIN_FWD(v_, d_), **over)
+                K.backward_config = lambda v_, d_: dict(PLAIN_BWD(v_, d_), **over)
+                if which == "fwd":
+                    K.forward(view, t, opts, None, loss, lse)
+                else:
+                    K.backward(view, dview, t, lse, g, None, opts)
+                K.forward_config, K.backward_config = PLAIN_FWD, PLAIN_BWD
+            return run
+
         def read_twice():
             follower.sum()
             follower.sum()
@@ -200,6 +213,16 @@ def main() -> None:
             for a in (0.0, 1e-30, 0.1):
                 variants.append(("ls", f"{which} smoothing={a:g}", 2 if which == "fwd" else 4,
                                  smoothed(which, a), None))
+        for block, warps in [(None, None), (1024, 2), (1024, 4), (2048, 2), (2048, 8),
+                             (4096, 4), (4096, 8)]:
+            over = {} if block is None else dict(BLOCK=block, num_warps=warps)
+            variants.append(("pcfg", f"fwd {over or 'shipped'}", 2, configured("fwd", **over),
+                             None))
+        for block, warps in [(None, None), (8192, 16), (16384, 8), (16384, 16), (16384, 32),
+                             (4096, 16), (32768, 32)]:
+            over = {} if block is None else dict(BLOCK=block, num_warps=warps)
+            variants.append(("pcfg", f"bwd {over or 'shipped'}", 4, configured("bwd", **over),
+                             None))
         for load in ("", "evict_last"):
             variants.append(("after", f"bwd_load={load or '-'}: 2x24 MiB read", 0,
                              bwd(load, "", False), read_twice))

@@ -315,7 +315,10 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
         # the same rounding as ``_row_grad``'s target column (the two paths agree bitwise)
-        dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - (target_coef + uniform)
+        if HAS_SMOOTHING:
+            dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - (target_coef + uniform)
+        else:
+            dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - target_coef
         tl.store(dx_row + tl.where(in_shard, t_local, 0), dx_t.to(dx_row.dtype.element_ty),
                  mask=in_shard)
     else:
