@@ -84,7 +84,7 @@ def timed(fn, reps: int, flush: torch.Tensor, clean: bool, after=None) -> float:
 
 def hinted(plain, **hints):
     """A config function: ``plain``'s launch parameters plus the hint constexprs."""
-    return lambda v, dtype: dict(plain(v, dtype), **hints)
+    return lambda v, dtype, *rest: dict(plain(v, dtype, *rest), **hints)
 
 
 def main() -> None:
@@ -160,7 +160,7 @@ def main() -> None:
         def configured(which, **over):
             def run():
                 K.forward_config = lambda v_, d_: dict(PLAIN_FWD(v_, d_), **over)
-                K.backward_config = lambda v_, d_: dict(PLAIN_BWD(v_, d_), **over)
+                K.backward_config = lambda v_, d_, *r: dict(PLAIN_BWD(v_, d_, *r), **over)
                 if which == "fwd":
                     K.forward(view, t, opts, None, loss, lse)
                 else:

@@ -5,10 +5,13 @@ PTX instructions by opcode, per variant.
 
 ``fused`` is the reduced loss's kernel (``_ce_forward_grad_kernel``, the mean, out of place).
 
-The kernels stream memory, but at 4 B per element the backward is close to issue-bound on the
-H200: one more instruction per element (label smoothing's subtraction, 16 per 16 elements
-against ~305 PTX instructions) made it 6% slower in bench run 12. So a change to the
-per-element arithmetic can be checked here first, and what it costs or saves is in the counts.
+The kernels stream memory at 4-6 B per element, so a change to the per-element arithmetic can
+be checked here first, and what it costs or saves is in the counts. (The counts do not tell the
+whole story: session 11 took label smoothing's per-element subtraction out of the backward, 305
+against 309 instructions per block of 16 elements per thread, and on the H200 it stayed 5%
+slower than plain at 32 warps, yet matched plain at 8 warps: ``backward_config``.) Counts are
+per kernel, for the block each thread streams per loop step (``elements/thread``, printed), so
+compare variants per element when their configs differ.
 Pointers and the row sizes are specialised as a real launch of aligned tensors would be (16-byte
 divisibility), so the loads are vectorised as on the GPU; the configs are the shipped ones.
 """
@@ -51,12 +54,13 @@ OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoo
 
 
 def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z: bool):
-    """(registers, Counter of PTX opcodes) of one shipped config."""
+    """(registers, Counter of PTX opcodes, elements per thread per loop step) of one shipped
+    config (the gradient loop's step for the fused kernel)."""
     args, aligned = SIGNATURES[kernel]
     sig = {name: PTR[dtype] if t == "x" else t for name, t in args.items()}
     sig.update(OPTIONS)
     if kernel == "backward":
-        fn, cfg = K._ce_backward_kernel, dict(K.backward_config(v, dtype))
+        fn, cfg = K._ce_backward_kernel, dict(K.backward_config(v, dtype, smoothing))
         consts = dict(MEAN=False, HAS_SMOOTHING=smoothing, HAS_Z=z, UNLESS_UNIT=False)
     elif kernel == "fused":  # the mean, out of place, without programmatic dependent launch
         fn, cfg = K._ce_forward_grad_kernel, dict(K.fused_config(v, dtype, smoothing))
@@ -66,6 +70,7 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
         fn, cfg = K._ce_forward_kernel, dict(K.forward_config(v, dtype))
         consts = dict(FINALIZE=True, HAS_SMOOTHING=smoothing, HAS_Z=z)
     warps = cfg.pop("num_warps")
+    per_thread = cfg.get("GRAD_BLOCK", cfg["BLOCK"]) // (32 * warps)
     consts.update(cfg)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
@@ -80,7 +85,7 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
         word = line.strip().split(" ")[0].rstrip(";")
         if word[:1].isalpha() and "." in word and not word.startswith("."):
             ops[word.split(".")[0]] += 1
-    return (int(regs.group(1)) if regs else None), ops
+    return (int(regs.group(1)) if regs else None), ops, per_thread
 
 
 def main() -> None:
@@ -92,12 +97,13 @@ def main() -> None:
     print(f"{args.kernel}, {args.v} columns: registers, PTX instructions (all, and by opcode)")
     for dtype in (torch.bfloat16, torch.float32):
         for smoothing, z in ((False, False), (True, False), (False, True)):
-            regs, ops = compile_variant(args.kernel, args.v, dtype, smoothing, z)
+            regs, ops, per_thread = compile_variant(args.kernel, args.v, dtype, smoothing, z)
             name = {(False, False): "plain", (True, False): "smoothing",
                     (False, True): "z-loss"}[(smoothing, z)]
             counts = " ".join(f"{op} {ops[op]}" for op in shown if ops[op])
             print(f"{str(dtype).replace('torch.', ''):9s} {name:10s} {regs} regs, "
-                  f"{sum(ops.values())} ops: {counts}", flush=True)
+                  f"{sum(ops.values())} ops, {per_thread} elements/thread: {counts}",
+                  flush=True)
 
 
 if __name__ == "__main__":

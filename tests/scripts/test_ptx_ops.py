@@ -1,6 +1,6 @@
 """The backward's per-element arithmetic, counted in PTX for sm_90 (no GPU needed): label
-smoothing and z-loss must not add instructions per element to the plain loop, which is close
-to issue-bound on the H200 (one more per element made smoothing's backward 6% slower)."""
+smoothing and z-loss must not add instructions per element to the plain loop (the unfolded
+smoothing formula had one more per element)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,14 @@ def test_smoothing_and_z_loss_add_no_per_element_work_to_the_backward():
     assert out.returncode == 0, out.stderr[-3000:]
     ops = {}
     for line in out.stdout.splitlines():
-        m = re.match(r"(\w+)\s+(plain|smoothing|z-loss)\s+\d+ regs, (\d+) ops", line)
-        if m:
-            ops[m.group(1), m.group(2)] = int(m.group(3))
+        m = re.match(r"(\w+)\s+(plain|smoothing|z-loss)\s+\d+ regs, (\d+) ops, (\d+) elem",
+                     line)
+        if m:  # per element a thread streams (the configs may differ by variant)
+            ops[m.group(1), m.group(2)] = int(m.group(3)) / int(m.group(4))
     assert len(ops) == 6, out.stdout
     for dtype in ("bfloat16", "float32"):
         plain = ops[dtype, "plain"]
-        # a block of 16 elements per thread costs ~300 instructions; a per-element op adds 16,
-        # the per-row coefficients a handful
-        assert ops[dtype, "smoothing"] <= plain + 8, ops
-        assert ops[dtype, "z-loss"] <= plain + 8, ops
+        # ~19 instructions per element (~300 for a block of 16 elements per thread); a
+        # per-element op adds 1, the per-row coefficients a fraction of one
+        assert ops[dtype, "smoothing"] <= plain + 0.5, ops
+        assert ops[dtype, "z-loss"] <= plain + 0.5, ops

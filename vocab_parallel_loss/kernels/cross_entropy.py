@@ -520,8 +520,9 @@ def forward_config(v_local: int, dtype: torch.dtype) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def backward_config(v_local: int, dtype: torch.dtype) -> dict:
-    """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py)."""
+def backward_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> dict:
+    """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py);
+    ``smoothing``: label smoothing is on."""
     # the H200 sweeps (tuning/h200-2026-12-0[23]-*): 8K-16K blocks; 32 warps on rows over 16K
     # columns (at 32000: 506 us against 520 with 8 warps, in three sweeps), 8 on 16K shards.
     # The logits are read with evict_last, although they are not read again: 2.5-3% faster
@@ -538,7 +539,14 @@ def backward_config(v_local: int, dtype: torch.dtype) -> dict:
     if v_local > 32768:
         return dict(BLOCK=8192, num_warps=32, **hint)
     if v_local > 16384:
-        return dict(BLOCK=16384, num_warps=32, **hint)
+        # With label smoothing the same code (the same PTX instructions per element, and
+        # registers) ran 5% slower at 32 warps than without, whatever the smoothing's value
+        # (1e-30 or 0.1: 514 against 488 us at 16384 x 32000), and at 8 warps as fast as plain
+        # at 8 (498 against 498 us; 518 at 32 warps). Why the warp count matters to smoothing
+        # alone is not known (2026-12-03, scripts/diag_inplace.py --only ls,pcfg, two rounds
+        # each; tuning/h200-2026-12-03-ls-bwd.*). Only 2-byte logits were measured.
+        warps = 8 if smoothing and dtype.itemsize == 2 else 32
+        return dict(BLOCK=16384, num_warps=warps, **hint)
     return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4, **hint)
 
 
@@ -637,7 +645,8 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
 
     def kwargs():
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
-                    UNLESS_UNIT=unless_unit, **backward_config(v_local, x.dtype))
+                    UNLESS_UNIT=unless_unit,
+                    **backward_config(v_local, x.dtype, opts.smoothing > 0))
 
     if memo is None:
         launch(_ce_backward_kernel, grid, *args, **kwargs())
