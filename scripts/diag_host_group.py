@@ -5,7 +5,9 @@ the collective created a 1-rank NCCL group, 46.7 us after; session 11 saw both o
 
 In one process, the host time per forward on a tiny input (``host_overhead.per_call_us``) is
 measured ``--rounds`` times before a group exists, then after one (with a collective run), then
-with the process pinned to the core it runs on. Each line gives the core the process last ran
+with the process pinned to the core it runs on, then after 3000 more collectives (as many as
+bench.py's ``measure_collective`` runs between its two host measurements), then after the group
+is destroyed. Each line gives the core the process last ran
 on and its thread count, so a move to another core or the group's threads show up beside the
 figure.
 """
@@ -64,6 +66,10 @@ def main() -> None:
     rounds("group", fwd, args.rounds)
     os.sched_setaffinity(0, {last_cpu()})
     rounds("pinned", fwd, args.rounds)
+    for _ in range(3000):
+        dist.all_gather_into_tensor(out, buf)
+    torch.cuda.synchronize()
+    rounds("3000 ops", fwd, args.rounds)
     dist.destroy_process_group()
     rounds("after", fwd, args.rounds)
 
