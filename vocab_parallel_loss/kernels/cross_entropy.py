@@ -539,12 +539,13 @@ def backward_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -
     if v_local > 32768:
         return dict(BLOCK=8192, num_warps=32, **hint)
     if v_local > 16384:
-        # With label smoothing the same code (the same PTX instructions per element, and
-        # registers) ran 5% slower at 32 warps than without, whatever the smoothing's value
-        # (1e-30 or 0.1: 514 against 488 us at 16384 x 32000), and at 8 warps as fast as plain
-        # at 8 (498 against 498 us; 518 at 32 warps). Why the warp count matters to smoothing
-        # alone is not known (2026-12-03, scripts/diag_inplace.py --only ls,pcfg, two rounds
-        # each; tuning/h200-2026-12-03-ls-bwd.*). Only 2-byte logits were measured.
+        # With label smoothing the backward (PTX instructions per element within 2% of
+        # plain's, the same registers) ran 5% slower at 32 warps than without, whatever the
+        # smoothing's value (1e-30 or 0.1: 514 against 488 us at 16384 x 32000), and at 8 warps
+        # as fast as plain at 8 (498 against 498 us; 518 at 32 warps). Why the warp count
+        # matters to smoothing alone is not known (2026-12-03, scripts/diag_inplace.py --only
+        # ls,pcfg, two rounds each; tuning/h200-2026-12-03-ls-bwd*). Only 2-byte logits were
+        # measured.
         warps = 8 if smoothing and dtype.itemsize == 2 else 32
         return dict(BLOCK=16384, num_warps=warps, **hint)
     return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4, **hint)
