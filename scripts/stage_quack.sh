@@ -23,7 +23,7 @@
 # its cuda-pathfinder) and protobuf; pack downloads them too.
 set -euo pipefail
 
-STAGE=/tmp/vpl_quack_stage
+STAGE=${VPL_QUACK_STAGE:-/tmp/vpl_quack_stage}  # where keep puts the first part (/tmp survives between calls)
 cmd=${1:-}
 
 case "$cmd" in
