@@ -225,8 +225,18 @@ def test_out_of_range_target_check_mode(impl, monkeypatch):
     with pytest.raises(ValueError, match="99"):
         cross_entropy(logits, target, check_targets=True)
     monkeypatch.setenv("VOCAB_PARALLEL_LOSS_CHECK_TARGETS", "1")
+    # the variable is read when a call signature is first seen (a call plan): this one was
+    # seen, without it
+    assert torch.isnan(cross_entropy(logits, target)[1, 1])
+    monkeypatch.setattr(ce_mod, "_plans", {})
     with pytest.raises(ValueError, match=r"target value 99 is outside the vocabulary \[0, 13\)"):
         cross_entropy(logits, target)
+    with pytest.raises(ValueError, match="99"):  # and kept for that signature
+        cross_entropy(logits, target)
+    with pytest.raises(ValueError, match="99"):  # the explicit argument still wins either way
+        cross_entropy(logits, target, check_targets=True)
+    monkeypatch.delenv("VOCAB_PARALLEL_LOSS_CHECK_TARGETS")
+    assert torch.isnan(cross_entropy(logits, target, check_targets=False)[1, 1])
     target[1, 1] = -100  # the ignore index is allowed
     cross_entropy(logits, target)
 
