@@ -6,8 +6,8 @@ the collective created a 1-rank NCCL group, 46.7 us after; session 11 saw both o
 In one process, the host time per forward on a tiny input (``host_overhead.per_call_us``) is
 measured ``--rounds`` times before a group exists, then after one (with a collective run), then
 with the process pinned to the core it runs on, then after 3000 more collectives (as many as
-bench.py's ``measure_collective`` runs between its two host measurements), then after the group
-is destroyed. Each line gives the core the process last ran
+bench.py's ``measure_collective`` runs between its two host measurements), then 2 s later, then
+after the group is destroyed. Each line gives the core the process last ran
 on and its thread count, so a move to another core or the group's threads show up beside the
 figure.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,8 @@ def main() -> None:
         dist.all_gather_into_tensor(out, buf)
     torch.cuda.synchronize()
     rounds("3000 ops", fwd, args.rounds)
+    time.sleep(2.0)  # if threads woken by the collectives spin for a while, they stop by now
+    rounds("2 s idle", fwd, args.rounds)
     dist.destroy_process_group()
     rounds("after", fwd, args.rounds)
 
