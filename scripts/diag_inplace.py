@@ -1,5 +1,5 @@
-"""L2 eviction hints of the kernels over logits, and why the in-place gradient is slower than a
-new buffer: kernel time of each variant, in one process.
+"""The kernels over logits variant by variant (L2 eviction hints, in place against a new
+buffer, launch configs, label smoothing): kernel time of each variant, in one process.
 
     python scripts/diag_inplace.py --out diag_inplace.json
 
@@ -15,8 +15,8 @@ Variants (``--only`` picks groups):
   read and store hints, then warps x gradient block and the first pass's block (and the
   shipped config into a new buffer, for reference). A shape may end in ``-lsS`` (label
   smoothing S), e.g. ``--shapes 16384x32000-ls0.1 --only fcfg``;
-- ``ls``: why label smoothing's per-token passes are slower than plain ones with the same
-  instruction count: the shipped forward and backward with smoothing 0 (plain), 1e-30 (the
+- ``ls``: why label smoothing's per-token passes are slower than plain ones with nearly the
+  same instruction count: the shipped forward and backward with smoothing 0 (plain), 1e-30 (the
   smoothing code with plain's values: the uniform term underflows) and 0.1;
 - ``pcfg``: the per-token forward and backward around their shipped configs (block, warps),
   with the shape's options (``-lsS`` for label smoothing).
