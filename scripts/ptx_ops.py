@@ -27,36 +27,31 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ptxas_registers import ptxas_verbose  # scripts/, next to this file
+from ptxas_registers import ptxas_verbose, specialize  # scripts/, next to this file
 from vocab_parallel_loss.kernels import cross_entropy as K
 from vocab_parallel_loss.kernels._launch import PINNED
 
 PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-SIGNATURES = {
-    "backward": ({"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "lse_ptr": "*fp32",
-                  "dloss_ptr": "*fp32", "count_ptr": "*fp32", "N": "i32", "V_local": "i32",
-                  "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64",
-                  "tgt_stride": "i32", "dloss_stride": "i32"},
-                 ("x_ptr", "dx_ptr", "tgt_ptr", "lse_ptr", "dloss_ptr", "count_ptr", "V_local",
-                  "s0", "d0")),
-    "fused": ({"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
-               "lse_ptr": "*fp32", "count_ptr": "*i64", "N": "i32", "V_local": "i32", "D1": "i32",
-               "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "tgt_stride": "i32"},
-              ("x_ptr", "dx_ptr", "tgt_ptr", "loss_ptr", "lse_ptr", "count_ptr", "V_local", "s0",
-               "d0")),
-    "forward": ({"x_ptr": "x", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "loss_ptr": "*fp32",
-                 "lse_ptr": "*fp32", "N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64",
-                 "s1": "i64", "tgt_stride": "i32"},
-                ("x_ptr", "tgt_ptr", "stats_ptr", "loss_ptr", "lse_ptr", "V_local", "s0")),
+SIGNATURES = {  # the run-time arguments before the options ("x": the logits' dtype)
+    "backward": {"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "lse_ptr": "*fp32",
+                 "dloss_ptr": "*fp32", "count_ptr": "*fp32", "N": "i32", "V_local": "i32",
+                 "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64",
+                 "tgt_stride": "i32", "dloss_stride": "i32"},
+    "fused": {"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
+              "lse_ptr": "*fp32", "count_ptr": "*i64", "N": "i32", "V_local": "i32", "D1": "i32",
+              "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "tgt_stride": "i32"},
+    "forward": {"x_ptr": "x", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "loss_ptr": "*fp32",
+                "lse_ptr": "*fp32", "N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64",
+                "s1": "i64", "tgt_stride": "i32"},
 }
 OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
            "z_loss": "fp32"}
 
 
 def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z: bool):
-    """(registers, Counter of PTX opcodes, elements per thread per loop step) of one shipped
-    config (the gradient loop's step for the fused kernel)."""
-    args, aligned = SIGNATURES[kernel]
+    """(registers, Counter of PTX opcodes, elements per thread per loop step, 16-byte global
+    loads and stores) of one shipped config (the gradient loop's step for the fused kernel)."""
+    args = SIGNATURES[kernel]
     sig = {name: PTR[dtype] if t == "x" else t for name, t in args.items()}
     sig.update(OPTIONS)
     if kernel == "backward":
@@ -72,20 +67,23 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
     warps = cfg.pop("num_warps")
     per_thread = cfg.get("GRAD_BLOCK", cfg["BLOCK"]) // (32 * warps)
     consts.update(cfg)
-    sig.update({name: "constexpr" for name in consts})
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    attrs = specialize(sig, consts, v)  # as a launch over contiguous (16384, v) logits
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, **PINNED))
     ptx = compiled.asm["ptx"]
     regs = re.search(r"Used (\d+) registers", ptxas_verbose(ptx))
     ops = collections.Counter()
+    vectors = 0
     for line in ptx.splitlines():
-        word = line.strip().split(" ")[0].rstrip(";")
+        words = line.strip().split()
+        if words and words[0].startswith("@"):  # a predicated instruction (masked loads, stores)
+            words = words[1:]
+        word = words[0].rstrip(";") if words else ""
         if word[:1].isalpha() and "." in word and not word.startswith("."):
             ops[word.split(".")[0]] += 1
-    return (int(regs.group(1)) if regs else None), ops, per_thread
+            vectors += word.startswith(("ld.global", "st.global")) and ".v4." in word
+    return (int(regs.group(1)) if regs else None), ops, per_thread, vectors
 
 
 def main() -> None:
@@ -97,13 +95,14 @@ def main() -> None:
     print(f"{args.kernel}, {args.v} columns: registers, PTX instructions (all, and by opcode)")
     for dtype in (torch.bfloat16, torch.float32):
         for smoothing, z in ((False, False), (True, False), (False, True)):
-            regs, ops, per_thread = compile_variant(args.kernel, args.v, dtype, smoothing, z)
+            regs, ops, per_thread, vectors = compile_variant(args.kernel, args.v, dtype,
+                                                             smoothing, z)
             name = {(False, False): "plain", (True, False): "smoothing",
                     (False, True): "z-loss"}[(smoothing, z)]
             counts = " ".join(f"{op} {ops[op]}" for op in shown if ops[op])
             print(f"{str(dtype).replace('torch.', ''):9s} {name:10s} {regs} regs, "
-                  f"{sum(ops.values())} ops, {per_thread} elements/thread: {counts}",
-                  flush=True)
+                  f"{sum(ops.values())} ops, {per_thread} elements/thread, {vectors} 16-byte "
+                  f"accesses: {counts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@
 Each config is ``BLOCK:GRAD_BLOCK:num_warps:HAS_SMOOTHING:SUM_IN_GRAD``. The kernel is compiled
 to PTX for Hopper with Triton's own toolchain and assembled by the ptxas that ships with Triton
 (``ptxas-blackwell`` where present: the older one rejects newer PTX), whose ``-v`` report gives
-the registers per thread and the bytes spilled. A config that spills is slow on the H200 long
-before it is measured there (fused_config's comments cite these figures).
+the registers per thread and the bytes spilled. The kernel is specialized as a launch over
+contiguous (16384, 32000) logits is (``specialize``: 16-byte aligned rows, so 16-byte loads);
+compiled without that, as this script did until session 12, it is a different program with
+2-byte loads and about twice the registers.
 """
 
 from __future__ import annotations
@@ -26,16 +28,42 @@ from vocab_parallel_loss.kernels import cross_entropy as K
 from vocab_parallel_loss.kernels._launch import PINNED  # compile as every launch does
 
 
+def launch_ints(v: int, n: int = 16384) -> dict:
+    """The integer arguments of a launch over contiguous ``(n, v)`` logits held by one shard
+    (``_layout.row_view``: D1 = n, s0 = 0, s1 = v) with contiguous targets and upstream
+    gradient."""
+    return dict(N=n, V_local=v, D1=n, s0=0, s1=v, d0=0, d1=v, tgt_stride=1, dloss_stride=1,
+                vocab_start=0, V_global=v, ignore_index=-100)
+
+
+def specialize(sig: dict, consts: dict, v: int) -> dict:
+    """Specialize ``sig`` as Triton does a launch over contiguous ``(16384, v)`` logits: an
+    int equal to 1 becomes a constant (into ``consts``), pointers and multiples of 16 are
+    marked divisible by 16. Returns the ``attrs`` for ``ASTSource``; ``sig`` is updated.
+
+    Without it the compiler cannot prove the rows 16-byte aligned and emits 2-byte loads: a
+    different program from the one launched (before session 12, these scripts compiled that
+    one, and reported 233-255 registers for the fused kernel where the launched one has 117)."""
+    divisible = [name for name, t in sig.items() if t.startswith("*")]
+    for name, value in launch_ints(v).items():
+        if name not in sig:
+            continue
+        if value == 1:
+            consts[name] = 1
+        elif value % 16 == 0:
+            divisible.append(name)
+    sig.update({name: "constexpr" for name in consts})
+    names = list(sig)
+    return {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
+
+
 def signature(dtype: str) -> dict:
     ptrs = {"x_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
             "lse_ptr": "*fp32", "count_ptr": "*i64"}
     scalars = {"N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64",
                "d1": "i64", "tgt_stride": "i32", "vocab_start": "i32", "V_global": "i32",
                "ignore_index": "i32", "smoothing": "fp32", "z_loss": "fp32"}
-    consts = {name: "constexpr" for name in ("MEAN", "HAS_SMOOTHING", "HAS_Z", "BLOCK", "VEC",
-                                             "GRAD_BLOCK", "SPLIT", "GDC", "SUM_IN_GRAD",
-                                             "FIRST_HINT", "SECOND_HINT", "STORE_HINT")}
-    return {**ptrs, **scalars, **consts}
+    return {**ptrs, **scalars}
 
 
 def ptxas() -> str:
@@ -57,12 +85,14 @@ def ptxas_verbose(ptx: str) -> str:
 
 
 def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
-           sum_in_grad: bool) -> str:
+           sum_in_grad: bool, v: int = 32000) -> str:
     consts = dict(MEAN=True, HAS_SMOOTHING=smoothing, HAS_Z=False, BLOCK=block,
                   VEC=16 // (2 if dtype == "bf16" else 4), GRAD_BLOCK=grad_block, SPLIT=False,
                   GDC=False, SUM_IN_GRAD=sum_in_grad, FIRST_HINT="evict_last",
                   SECOND_HINT="evict_first", STORE_HINT="")
-    src = ASTSource(fn=K._ce_forward_grad_kernel, signature=signature(dtype), constexprs=consts)
+    sig = signature(dtype)
+    attrs = specialize(sig, consts, v)
+    src = ASTSource(fn=K._ce_forward_grad_kernel, signature=sig, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, **PINNED))
     report = ptxas_verbose(kernel.asm["ptx"])

@@ -29,10 +29,12 @@ def test_smoothing_and_z_loss_add_no_per_element_work_to_the_backward():
     assert out.returncode == 0, out.stderr[-3000:]
     ops = {}
     for line in out.stdout.splitlines():
-        m = re.match(r"(\w+)\s+(plain|smoothing|z-loss)\s+\d+ regs, (\d+) ops, (\d+) elem",
-                     line)
+        m = re.match(r"(\w+)\s+(plain|smoothing|z-loss)\s+\d+ regs, (\d+) ops, (\d+) elem"
+                     r"\w*/thread, (\d+) 16-byte", line)
         if m:  # per element a thread streams (the configs may differ by variant)
             ops[m.group(1), m.group(2)] = int(m.group(3)) / int(m.group(4))
+            # compiled as launched (16-byte aligned rows): the logits move as 16-byte vectors
+            assert int(m.group(5)) > 0, line
     assert len(ops) == 6, out.stdout
     for dtype in ("bfloat16", "float32"):
         plain = ops[dtype, "plain"]

@@ -689,10 +689,12 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False,
     else:
         block, grad_block, warps = 8192, 8192, 32
     # Label smoothing needs the row's sum of logits. Summed in the first pass (one more
-    # per-vector array, and a select per element for the masked loads) the plain config spills
-    # registers (ptxas for sm_90: 255 registers and 336 B spilled at 16K blocks and 8 warps; 1.84x
-    # the bound), so 4K / 8K blocks are used there. Summed in the second pass into a per-lane
-    # accumulator (SUM_IN_GRAD) nothing spills (236 registers), and on the H200
+    # per-vector array, and a select per element for the masked loads) the plain config ran at
+    # 1.84x the bound, so 4K / 8K blocks are used there. (The reason given until session 12,
+    # register spills, came from compiling without the launch's 16-byte alignment, a different
+    # program; compiled as launched, scripts/ptxas_registers.py, that config takes 107
+    # registers and spills nothing, so why it is slow is not known.) Summed in the second pass
+    # into a per-lane accumulator (SUM_IN_GRAD), and on the H200
     # (tuning/h200-2026-12-03-sum-in-grad/) 16K / 8K blocks with it are best for 64 KB rows
     # (1.12x against 1.20x at 32000 columns; 1.15x end to end, 1.23x before), while shorter rows
     # and fp32 128 KB rows keep the first-pass sum (1.14x against 1.22x at 16032 columns, 1.22x
