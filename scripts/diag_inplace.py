@@ -83,7 +83,8 @@ def timed(fn, reps: int, flush: torch.Tensor, clean: bool, after=None) -> float:
 
 
 def hinted(plain, **hints):
-    """A config function: ``plain``'s launch parameters plus the hint constexprs."""
+    """A config function: ``plain``'s launch parameters with ``hints`` (hint constexprs, or
+    any other launch parameter) over them."""
     return lambda v, dtype, *rest: dict(plain(v, dtype, *rest), **hints)
 
 
@@ -146,27 +147,20 @@ def main() -> None:
                 K.forward_grad(src, src if inplace else dview, t, loss, lse, c, opts, config=cfg)
             return run
 
-        def smoothed(which, a):
-            o = LossOptions(0, v, -100, a, 0.0)
-
+        def configured(which, o=opts, **over):
+            """The per-token forward or backward with options ``o``, its config plus ``over``."""
             def run():
-                K.forward_config, K.backward_config = PLAIN_FWD, PLAIN_BWD
+                K.forward_config = hinted(PLAIN_FWD, **over)
+                K.backward_config = hinted(PLAIN_BWD, **over)
                 if which == "fwd":
                     K.forward(view, t, o, None, loss, lse)
                 else:
                     K.backward(view, dview, t, lse, g, None, o)
-            return run
-
-        def configured(which, **over):
-            def run():
-                K.forward_config = lambda v_, d_: dict(PLAIN_FWD(v_, d_), **over)
-                K.backward_config = lambda v_, d_, *r: dict(PLAIN_BWD(v_, d_, *r), **over)
-                if which == "fwd":
-                    K.forward(view, t, opts, None, loss, lse)
-                else:
-                    K.backward(view, dview, t, lse, g, None, opts)
                 K.forward_config, K.backward_config = PLAIN_FWD, PLAIN_BWD
             return run
+
+        def smoothed(which, a):
+            return configured(which, LossOptions(0, v, -100, a, 0.0))
 
         def read_twice():
             follower.sum()

@@ -27,26 +27,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ptxas_registers import ptxas_verbose, specialize  # scripts/, next to this file
+from ptxas_registers import OPTIONS, PTR, SIGNATURES, ptxas_verbose, specialize  # scripts/
 from vocab_parallel_loss.kernels import cross_entropy as K
 from vocab_parallel_loss.kernels._launch import PINNED
-
-PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
-SIGNATURES = {  # the run-time arguments before the options ("x": the logits' dtype)
-    "backward": {"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "lse_ptr": "*fp32",
-                 "dloss_ptr": "*fp32", "count_ptr": "*fp32", "N": "i32", "V_local": "i32",
-                 "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64",
-                 "tgt_stride": "i32", "dloss_stride": "i32"},
-    "fused": {"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
-              "lse_ptr": "*fp32", "count_ptr": "*i64", "N": "i32", "V_local": "i32", "D1": "i32",
-              "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "tgt_stride": "i32"},
-    "forward": {"x_ptr": "x", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "loss_ptr": "*fp32",
-                "lse_ptr": "*fp32", "N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64",
-                "s1": "i64", "tgt_stride": "i32"},
-}
-OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
-           "z_loss": "fp32"}
-
 
 def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z: bool):
     """(registers, Counter of PTX opcodes, elements per thread per loop step, 16-byte global

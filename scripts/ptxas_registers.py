@@ -20,6 +20,7 @@ import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -57,13 +58,28 @@ def specialize(sig: dict, consts: dict, v: int) -> dict:
     return {(names.index(n),): [["tt.divisibility", 16]] for n in divisible}
 
 
+PTR = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+SIGNATURES = {  # the run-time arguments before the options ("x": the logits' dtype)
+    "backward": {"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "lse_ptr": "*fp32",
+                 "dloss_ptr": "*fp32", "count_ptr": "*fp32", "N": "i32", "V_local": "i32",
+                 "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64",
+                 "tgt_stride": "i32", "dloss_stride": "i32"},
+    "fused": {"x_ptr": "x", "dx_ptr": "x", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
+              "lse_ptr": "*fp32", "count_ptr": "*i64", "N": "i32", "V_local": "i32", "D1": "i32",
+              "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "tgt_stride": "i32"},
+    "forward": {"x_ptr": "x", "tgt_ptr": "*i64", "stats_ptr": "*fp32", "loss_ptr": "*fp32",
+                "lse_ptr": "*fp32", "N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64",
+                "s1": "i64", "tgt_stride": "i32"},
+}
+OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
+           "z_loss": "fp32"}
+
+
+
 def signature(dtype: str) -> dict:
-    ptrs = {"x_ptr": f"*{dtype}", "dx_ptr": f"*{dtype}", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
-            "lse_ptr": "*fp32", "count_ptr": "*i64"}
-    scalars = {"N": "i32", "V_local": "i32", "D1": "i32", "s0": "i64", "s1": "i64", "d0": "i64",
-               "d1": "i64", "tgt_stride": "i32", "vocab_start": "i32", "V_global": "i32",
-               "ignore_index": "i32", "smoothing": "fp32", "z_loss": "fp32"}
-    return {**ptrs, **scalars}
+    """The fused kernel's run-time arguments, for ``dtype`` ("bf16" or "fp32") logits."""
+    x = f"*{dtype}"
+    return {**{n: x if t == "x" else t for n, t in SIGNATURES["fused"].items()}, **OPTIONS}
 
 
 def ptxas() -> str:
@@ -95,9 +111,9 @@ def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
     src = ASTSource(fn=K._ce_forward_grad_kernel, signature=sig, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, **PINNED))
-    report = ptxas_verbose(kernel.asm["ptx"])
-    regs = re.search(r"Used (\d+) registers", report)
-    spills = re.findall(r"(\d+) bytes spill (stores|loads)", report)
+    out = ptxas_verbose(kernel.asm["ptx"])
+    regs = re.search(r"Used (\d+) registers", out)
+    spills = re.findall(r"(\d+) bytes spill (stores|loads)", out)
     return (f"{regs.group(1) if regs else '?'} registers, "
             + ", ".join(f"{n} B spill {kind}" for n, kind in spills))
 
