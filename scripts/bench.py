@@ -36,6 +36,7 @@ import datetime
 import functools
 import gc
 import hashlib
+import importlib.util
 import json
 import os
 import platform
@@ -56,7 +57,10 @@ import torch._dynamo
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as `python scripts/bench.py` without installing the package
+# This checkout's package unless one is importable already: PYTHONPATH=<other tree> then measures
+# that tree (an A/B), which an unconditional insert here silently overrode. The report records
+# which package ran (meta.package_dir, source_hash).
+if importlib.util.find_spec("vocab_parallel_loss") is None:
     sys.path.insert(0, str(REPO))
 
 
@@ -643,11 +647,19 @@ def _commit() -> Optional[str]:
         return None
 
 
+def _package_dir() -> Path:
+    import vocab_parallel_loss
+
+    return Path(vocab_parallel_loss.__file__).resolve().parent
+
+
 def _source_hash() -> str:
-    """sha256 of the package's sources: identifies the code measured where git is absent."""
+    """sha256 of the imported package's sources: identifies the code measured where git is
+    absent."""
     h = hashlib.sha256()
-    for p in sorted((REPO / "vocab_parallel_loss").rglob("*.py")):
-        h.update(p.relative_to(REPO).as_posix().encode())
+    pkg = _package_dir()
+    for p in sorted(pkg.rglob("*.py")):
+        h.update(p.relative_to(pkg.parent).as_posix().encode())
         h.update(p.read_bytes())
     return h.hexdigest()[:16]
 
@@ -879,6 +891,7 @@ def main(argv=None) -> dict:
             skipped[name] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     for name, why in skipped.items():
         log(f"skip {name}: {why}")
+    log(f"vocab_parallel_loss from {_package_dir()}")
 
     report = {
         "meta": {"device": dev.name(), "device_slug": slug(dev.name()), "date": f"{now:%Y-%m-%d}",
@@ -886,7 +899,7 @@ def main(argv=None) -> dict:
                  "flush": args.flush, "gpu_lead_us": args.gpu_lead_us,
                  "torch": torch.__version__, "triton": triton_version,
                  "cuda": torch.version.cuda, "python": platform.python_version(),
-                 "commit": _commit(), "source_hash": _source_hash(),
+                 "commit": _commit(), "source_hash": _source_hash(), "package_dir": str(_package_dir()),
                  "versions": {n: _version(IMPLS[n].package) for n in fns},
                  "settings": {k: getattr(args, k) for k in ("budget", "min_reps", "max_reps", "warmup")},
                  "cases": [c.name for c in args.shapes], "paths": args.paths,

@@ -47,3 +47,31 @@ def test_bench_gpu_lead_is_recorded(tmp_path):
     data = json.loads(files[".json"].read_text())
     assert data["meta"]["gpu_lead_us"] == 250
     assert "GPU sleep of 250 us" in files[".md"].read_text()
+
+
+@pytest.mark.timeout(120)
+def test_bench_measures_the_package_on_pythonpath(tmp_path):
+    """An A/B runs this bench.py over another tree's package through PYTHONPATH: the bench must
+    import that package, not put its own checkout first (it did until session 13, so an A/B
+    measured one tree twice), and report which one ran."""
+    import shutil
+    import subprocess
+
+    other = tmp_path / "tree"
+    shutil.copytree(REPO / "vocab_parallel_loss", other / "vocab_parallel_loss",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    (other / "vocab_parallel_loss" / "_marker.py").write_text("# only in the other tree\n")
+    probe = ("import importlib.util, sys; "
+             f"spec = importlib.util.spec_from_file_location('bench', {str(REPO / 'scripts' / 'bench.py')!r}); "
+             "m = importlib.util.module_from_spec(spec); sys.modules['bench'] = m; "
+             "spec.loader.exec_module(m); print(m._package_dir()); print(m._source_hash())")
+    env = dict(__import__("os").environ)
+    runs = {}
+    for name, pythonpath in (("other", str(other)), ("own", "")):
+        env["PYTHONPATH"] = pythonpath
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, timeout=100, cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        runs[name] = out.stdout.split()
+    assert Path(runs["other"][0]) == (other / "vocab_parallel_loss").resolve()
+    assert runs["other"][1] != runs["own"][1]  # the hash covers the imported tree's files
