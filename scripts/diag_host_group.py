@@ -7,7 +7,9 @@ In one process, the host time per forward on a tiny input (``host_overhead.per_c
 measured ``--rounds`` times before a group exists, then after one (with a collective run), then
 with the process pinned to the core it runs on, then after 3000 more collectives (as many as
 bench.py's ``measure_collective`` runs between its two host measurements), then 2 s later, then
-after the group is destroyed. Each line gives the core the process last ran
+after the group is destroyed and 2 s after that; before the group, also 2 s after the first
+measurement, and 2 s later again after half a second of busy spinning (does idling alone, the
+CPU's power management, slow the next calls?). Each line gives the core the process last ran
 on and its thread count, so a move to another core or the group's threads show up beside the
 figure.
 """
@@ -40,10 +42,18 @@ def rounds(label: str, fn, n: int) -> list:
     for i in range(n):
         us = per_call_us(fn)
         out.append(us)
-        print(f"{label:8s} round {i}: {us:6.1f} us per forward  cpu {last_cpu():3d}  "
+        print(f"{label:14s} round {i}: {us:6.1f} us per forward  cpu {last_cpu():3d}  "
               f"threads {threads()}", flush=True)
-    print(f"{label:8s} median {statistics.median(out):.1f} us, best {min(out):.1f}", flush=True)
+    print(f"{label:14s} median {statistics.median(out):.1f} us, best {min(out):.1f}", flush=True)
     return out
+
+
+def spin(seconds: float) -> None:
+    """Keep the core busy (a training loop's host never idles for seconds): if idling is what
+    slows the loss's host path, a spin first should undo it."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def main() -> None:
@@ -57,6 +67,11 @@ def main() -> None:
         return cross_entropy(x, t)
 
     rounds("no group", fwd, args.rounds)
+    time.sleep(2.0)  # idle without a group: does idling alone slow the next calls?
+    rounds("idle, no group", fwd, args.rounds)
+    time.sleep(2.0)
+    spin(0.5)
+    rounds("idle, spun", fwd, args.rounds)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
@@ -75,6 +90,8 @@ def main() -> None:
     rounds("2 s idle", fwd, args.rounds)
     dist.destroy_process_group()
     rounds("after", fwd, args.rounds)
+    time.sleep(2.0)
+    rounds("after, idle", fwd, args.rounds)
 
 
 if __name__ == "__main__":
