@@ -670,14 +670,20 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False,
     """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid;
     ``inplace``: the gradient is written over the logits.
 
-    The grid bounds the rows in flight, so that a row is still in L2 when its program reads it
-    the second time: rows in flight x row bytes must stay well under the 50 MB L2.
+    The rows in flight must stay few enough that a row is still in L2 when its program reads
+    it the second time (rows in flight x row bytes well under the 50 MB L2). Every shipped
+    config runs a program per row (``programs_per_sm=0``), so what bounds them is residency:
+    the registers ptxas gives a config (2 programs per SM for the plain configs on the H200).
     """
     # H200 sweeps (2026-12-03, scripts/tune_fused.py, benchmarks/results/tuning/fused-*): rows
     # up to 64 KB: 8 warps reading up to 16K elements per block, so each thread has many loads
     # in flight (1.05-1.09x the bound); 128 KB rows: 16 warps, 8K / 16K blocks (1.07x fp32,
     # 1.25x bf16); longer rows: 32 warps, 8K blocks (1.34x at 128K columns, 1.37x at 256K, where
-    # rows in flight outgrow the L2). A program per row: a smaller grid was 2-10% slower. Whole
+    # rows in flight outgrow the L2). A program per row: a smaller grid was 2-10% slower, and
+    # 20-40% in session 13 (2 programs per SM at 16032-32000 columns, looping over rows:
+    # 0.650 against 0.538 ms; tuning/h200-2026-12-03-row-start-ab.md). The plain 64 KB config's
+    # speed also rests on its 119 registers: the same code with 59 (the per-row division folded
+    # away) ran 16-24% slower, at the same residency 30% slower (fewer loads in flight). Whole
     # blocks without a mask (SPLIT, as in forward_config) were up to 10% slower for rows up to
     # 64 KB and within 1-2% on longer ones (tuning/h200-2026-12-03-split-*), so it stays off.
     vec = 16 // dtype.itemsize
