@@ -568,8 +568,24 @@ def _time_host(fn: Callable[[], object], n: int, dev: Device, runs: int = 3) -> 
             "wall_us": statistics.median(wall), "calls": n, "runs": runs}
 
 
+@functools.lru_cache(maxsize=None)
+def _noop_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def noop(x_ptr, n):
+        tl.store(x_ptr + tl.arange(0, 16), tl.zeros((16,), tl.float32), mask=tl.arange(0, 16) < n)
+
+    return noop
+
+
 def measure_host_overhead(dev: Device, n_calls: int) -> dict:
-    """Per-forward host overhead of ours on a tiny input (Python + launches), eager and graphed."""
+    """Per-forward host overhead of ours on a tiny input (Python + launches), eager and graphed,
+    next to two yardsticks timed in the same process: two bare ``torch.empty`` calls and one
+    launch of a one-line Triton kernel through Triton's own launch path. The H200 hosts run the
+    same code at up to 2x different speeds between processes and moments (NOTES, host time);
+    the yardsticks say how fast this process's host was."""
     from vocab_parallel_loss import cross_entropy
 
     x = torch.randn(8, 128, device=dev.torch, dtype=torch.bfloat16, requires_grad=True)
@@ -578,7 +594,15 @@ def measure_host_overhead(dev: Device, n_calls: int) -> dict:
     out = {"shape": [8, 128],
            "forward": _time_host(lambda: cross_entropy(x, t), n_calls, dev),
            "forward_backward": _time_host(
-               lambda: torch.autograd.grad(cross_entropy(x, t), x, g), n_calls, dev)}
+               lambda: torch.autograd.grad(cross_entropy(x, t), x, g), n_calls, dev),
+           "yardstick_torch_empty_x2": _time_host(
+               lambda: (torch.empty(8, device=dev.torch), torch.empty(8, device=dev.torch)),
+               n_calls, dev)}
+    try:
+        noop, buf = _noop_kernel(), torch.empty(16, device=dev.torch)
+        out["yardstick_triton_launch"] = _time_host(lambda: noop[(1,)](buf, 8), n_calls, dev)
+    except Exception as e:  # no Triton here (or no interpreter on CPU): the other figures stand
+        out["yardstick_triton_launch"] = {"error": f"{type(e).__name__}: {e}"}
     if dev.cuda:
         try:
             xs = x.detach()

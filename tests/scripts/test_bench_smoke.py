@@ -75,3 +75,16 @@ def test_bench_measures_the_package_on_pythonpath(tmp_path):
         runs[name] = out.stdout.split()
     assert Path(runs["other"][0]) == (other / "vocab_parallel_loss").resolve()
     assert runs["other"][1] != runs["own"][1]  # the hash covers the imported tree's files
+
+
+@pytest.mark.timeout(120)
+def test_bench_host_overhead_has_yardsticks():
+    """The host-time figures come with two yardsticks timed in the same process (two bare
+    ``torch.empty`` calls, one launch of a no-op Triton kernel), so a run on a slow host shows as
+    one rather than as a slower loss."""
+    bench = _load("bench")
+    out = bench.measure_host_overhead(bench.Device("cpu", "dirty", 0), 3)
+    for key in ("forward", "forward_backward", "yardstick_torch_empty_x2",
+                "yardstick_triton_launch"):
+        assert "error" not in out[key], (key, out[key])
+        assert out[key]["host_us"] > 0, (key, out[key])
