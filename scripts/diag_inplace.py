@@ -15,6 +15,9 @@ Variants (``--only`` picks groups):
   read and store hints, then warps x gradient block and the first pass's block (and the
   shipped config into a new buffer, for reference). A shape may end in ``-lsS`` (label
   smoothing S), e.g. ``--shapes 16384x32000-ls0.1 --only fcfg``;
+- ``fcache``: the fused kernel in place with cache modifiers on its second read (``.cg``,
+  ``.cv``, ``.ca``) or its stores (``.cg``, ``.cs``, ``.wt``), against the shipped config in
+  place and into a new buffer;
 - ``ls``: why label smoothing's per-token passes are slower than plain ones with nearly the
   same instruction count: the shipped forward and backward with smoothing 0 (plain), 1e-30 (the
   smoothing code with plain's values: the uniform term underflows) and 0.1;
@@ -91,7 +94,7 @@ def hinted(plain, **hints):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="16384x16032,16384x32000,16384x128256")
-    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg, ls, pcfg: on request
+    ap.add_argument("--only", default="fwd,bwd,pair,fused,after")  # fcfg, fcache, ls, pcfg: on request
     ap.add_argument("--reps", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--flush", default="dirty")
@@ -203,6 +206,21 @@ def main() -> None:
             variants.append(("fcfg", f"second={h['second'] or '-'} store={h['store'] or '-'} "
                              f"{label} {'inplace' if inplace else 'new'}", 4,
                              fused(h["second"], h["store"], inplace, **over), None))
+        # cache modifiers of the second read and of the stores, in place (session 13: only the
+        # eviction policies had been swept), with the shipped config into a new buffer first.
+        # PTX takes no eviction policy next to a cache modifier: the access then has none.
+        fcache = [("", "", False), ("", "", True)]
+        fcache += [(a, "", True) for a in (".cg", ".cv", ".ca")]
+        fcache += [("", b, True) for b in (".cg", ".cs", ".wt")]
+        for load_cache, store_cache, inplace in fcache:
+            cfg = K.fused_config(v, x.dtype, smoothing > 0, inplace)
+            second = "" if load_cache else cfg["SECOND_HINT"]
+            store = "" if store_cache else cfg["STORE_HINT"]
+            variants.append(("fcache", f"second={load_cache or second or '-'} "
+                             f"store={store_cache or store or '-'} "
+                             f"{'inplace' if inplace else 'new'}", 4,
+                             fused(second, store, inplace, SECOND_CACHE=load_cache,
+                                   STORE_CACHE=store_cache), None))
         for which in ("fwd", "bwd"):
             for a in (0.0, 1e-30, 0.1):
                 variants.append(("ls", f"{which} smoothing={a:g}", 2 if which == "fwd" else 4,

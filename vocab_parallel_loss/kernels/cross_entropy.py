@@ -271,7 +271,8 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
                    HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr = False,
-                   LOAD_HINT: tl.constexpr = "evict_first", STORE_HINT: tl.constexpr = ""):
+                   LOAD_HINT: tl.constexpr = "evict_first", STORE_HINT: tl.constexpr = "",
+                   LOAD_CACHE: tl.constexpr = "", STORE_CACHE: tl.constexpr = ""):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
     two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
     (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
@@ -294,24 +295,26 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         if tail < V_local:
             idx = tail + cols
             mask = idx < V_local
-            x = tl.load(x_row + idx, mask=mask, other=0.0,
-                        eviction_policy=LOAD_HINT).to(tl.float32)
+            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy=LOAD_HINT,
+                        cache_modifier=LOAD_CACHE).to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
                 acc += x
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
-                     eviction_policy=STORE_HINT)
+                     eviction_policy=STORE_HINT, cache_modifier=STORE_CACHE)
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
-            x = tl.load(x_row + idx, eviction_policy=LOAD_HINT).to(tl.float32)
+            x = tl.load(x_row + idx, eviction_policy=LOAD_HINT,
+                        cache_modifier=LOAD_CACHE).to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
                 acc += x
-            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT)
+            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT,
+                     cache_modifier=STORE_CACHE)
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
         # the same rounding as ``_row_grad``'s target column (the two paths agree bitwise)
@@ -419,7 +422,7 @@ def _ce_forward_grad_kernel(
     VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, SPLIT: tl.constexpr = False,
     GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False,
     FIRST_HINT: tl.constexpr = "evict_last", SECOND_HINT: tl.constexpr = "evict_first",
-    STORE_HINT: tl.constexpr = "",
+    STORE_HINT: tl.constexpr = "", SECOND_CACHE: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
@@ -468,7 +471,7 @@ def _ce_forward_grad_kernel(
         sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
                                x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
                                GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, SECOND_HINT,
-                               STORE_HINT)
+                               STORE_HINT, SECOND_CACHE, STORE_CACHE)
         if SUM_IN_GRAD:
             loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
                                        z_loss, HAS_SMOOTHING, HAS_Z)
