@@ -27,7 +27,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ptxas_registers import OPTIONS, PTR, SIGNATURES, ptxas_verbose, specialize  # scripts/
+from ptxas_registers import (OPTIONS, PTR, SIGNATURES, constexpr_defaults,  # scripts/
+                             ptxas_verbose, specialize)
 from vocab_parallel_loss.kernels import cross_entropy as K
 from vocab_parallel_loss.kernels._launch import PINNED
 
@@ -49,7 +50,7 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
         consts = dict(FINALIZE=True, HAS_SMOOTHING=smoothing, HAS_Z=z)
     warps = cfg.pop("num_warps")
     per_thread = cfg.get("GRAD_BLOCK", cfg["BLOCK"]) // (32 * warps)
-    consts.update(cfg)
+    consts = constexpr_defaults(fn, {**consts, **cfg})
     attrs = specialize(sig, consts, v)  # as a launch over contiguous (16384, v) logits
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),

@@ -37,6 +37,17 @@ def launch_ints(v: int, n: int = 16384) -> dict:
                 vocab_start=0, V_global=v, ignore_index=-100)
 
 
+def constexpr_defaults(fn, consts: dict) -> dict:
+    """``consts`` plus the defaults of ``fn``'s constexpr parameters it does not set: a compile
+    through ``ASTSource`` gets no defaults, and fails on an unset constexpr."""
+    import inspect
+
+    out = {p.name: p.default for p in fn.params if p.is_constexpr
+           and p.default is not inspect.Parameter.empty and p.name not in consts}
+    out.update(consts)
+    return out
+
+
 def specialize(sig: dict, consts: dict, v: int) -> dict:
     """Specialize ``sig`` as Triton does a launch over contiguous ``(16384, v)`` logits: an
     int equal to 1 becomes a constant (into ``consts``), pointers and multiples of 16 are
@@ -106,6 +117,7 @@ def report(dtype: str, block: int, grad_block: int, warps: int, smoothing: bool,
                   VEC=16 // (2 if dtype == "bf16" else 4), GRAD_BLOCK=grad_block, SPLIT=False,
                   GDC=False, SUM_IN_GRAD=sum_in_grad, FIRST_HINT="evict_last",
                   SECOND_HINT="evict_first", STORE_HINT="")
+    consts = constexpr_defaults(K._ce_forward_grad_kernel, consts)
     sig = signature(dtype)
     attrs = specialize(sig, consts, v)
     src = ASTSource(fn=K._ce_forward_grad_kernel, signature=sig, constexprs=consts, attrs=attrs)

@@ -76,7 +76,7 @@ fused_sig = {"x_ptr": "*bf16", "dx_ptr": "*bf16", "tgt_ptr": "*i64", "loss_ptr":
              "HAS_Z": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr",
              "GRAD_BLOCK": "constexpr", "SPLIT": "constexpr", "GDC": "constexpr",
              "SUM_IN_GRAD": "constexpr", "FIRST_HINT": "constexpr", "SECOND_HINT": "constexpr",
-             "STORE_HINT": "constexpr"}
+             "STORE_HINT": "constexpr", "SECOND_CACHE": "constexpr", "STORE_CACHE": "constexpr"}
 print(json.dumps({
     "count": order(ptx(K._ce_count_kernel, count_sig, dict(BLOCK=4096, GDC=gdc), 16)),
     "reduce": order(ptx(K._ce_reduce_kernel, reduce_sig,
@@ -84,7 +84,8 @@ print(json.dumps({
     "fused": order(ptx(K._ce_forward_grad_kernel, fused_sig,
                        dict(MEAN=True, HAS_SMOOTHING=False, HAS_Z=False, BLOCK=1024, VEC=8,
                             GRAD_BLOCK=1024, SPLIT=False, GDC=gdc, SUM_IN_GRAD=False,
-                            FIRST_HINT="evict_last", SECOND_HINT="evict_first", STORE_HINT=""),
+                            FIRST_HINT="evict_last", SECOND_HINT="evict_first", STORE_HINT="",
+                            SECOND_CACHE="", STORE_CACHE=""),
                        8)),
 }))
 '''

@@ -42,3 +42,21 @@ def test_smoothing_and_z_loss_add_no_per_element_work_to_the_backward():
         # per-element op adds 1, the per-row coefficients a fraction of one
         assert ops[dtype, "smoothing"] <= plain + 0.5, ops
         assert ops[dtype, "z-loss"] <= plain + 0.5, ops
+
+
+@pytest.mark.timeout(600)
+def test_ptxas_registers_and_ptx_ops_compile_the_fused_kernel():
+    """Both compile-only scripts compile the fused kernel with every constexpr it has (a new
+    constexpr with a default once broke ``ptxas_registers.py``: a compile through ASTSource
+    gets no defaults)."""
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton has no NVIDIA toolchain to compile for sm_90")
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(REPO))
+    for cmd in (["ptxas_registers.py", "--configs", "16384:16384:8:0:0"],
+                ["ptx_ops.py", "--kernel", "fused", "--v", "16032"]):
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / cmd[0]), *cmd[1:]], env=env,
+                             capture_output=True, text=True, timeout=600, cwd=REPO)
+        assert out.returncode == 0, (cmd, out.stderr[-3000:])
+        assert re.search(r"\d+ (registers|regs)", out.stdout), (cmd, out.stdout)
