@@ -15,6 +15,7 @@ compiled without that, as this script did until session 12, it is a different pr
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -38,13 +39,12 @@ def launch_ints(v: int, n: int = 16384) -> dict:
 
 
 def constexpr_defaults(fn, consts: dict) -> dict:
-    """``consts`` plus the defaults of ``fn``'s constexpr parameters it does not set: a compile
-    through ``ASTSource`` gets no defaults, and fails on an unset constexpr."""
-    import inspect
-
-    out = {p.name: p.default for p in fn.params if p.is_constexpr
-           and p.default is not inspect.Parameter.empty and p.name not in consts}
-    out.update(consts)
+    """``consts`` plus the defaults of ``fn``'s constexpr parameters it does not set, in the
+    kernel's parameter order: a compile through ``ASTSource`` gets no defaults, and fails on an
+    unset constexpr."""
+    out = {p.name: consts.get(p.name, p.default) for p in fn.params if p.is_constexpr
+           and (p.name in consts or p.default is not inspect.Parameter.empty)}
+    out.update(consts)  # anything else asked for (ints a launch turns into constants)
     return out
 
 
@@ -84,7 +84,6 @@ SIGNATURES = {  # the run-time arguments before the options ("x": the logits' dt
 }
 OPTIONS = {"vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
            "z_loss": "fp32"}
-
 
 
 def signature(dtype: str) -> dict:

@@ -46,8 +46,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vocab_parallel_loss.kernels import cross_entropy as K
+sys.path.insert(0, "scripts")
+from ptxas_registers import constexpr_defaults, signature
 
 def ptx(fn, sig, consts, warps):
+    consts = constexpr_defaults(fn, consts)  # every constexpr, unset ones at their defaults
+    sig = {**sig, **{name: "constexpr" for name in consts}}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     return k.asm["ptx"]
@@ -64,19 +68,10 @@ def order(text):
 
 gdc = sys.argv[1] == "1"
 count_sig = {"tgt_ptr": "*i64", "count_ptr": "*i64", "N": "i32", "tgt_stride": "i32",
-             "ignore_index": "i32", "BLOCK": "constexpr", "GDC": "constexpr"}
+             "ignore_index": "i32"}
 reduce_sig = {"loss_ptr": "*fp32", "tgt_ptr": "*i64", "out_ptr": "*fp32", "count_ptr": "*i64",
-              "N": "i32", "tgt_stride": "i32", "ignore_index": "i32", "MEAN": "constexpr",
-              "COUNTED": "constexpr", "BLOCK": "constexpr", "GDC": "constexpr"}
-fused_sig = {"x_ptr": "*bf16", "dx_ptr": "*bf16", "tgt_ptr": "*i64", "loss_ptr": "*fp32",
-             "lse_ptr": "*fp32", "count_ptr": "*i64", "N": "i32", "V_local": "i32", "D1": "i32",
-             "s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "tgt_stride": "i32",
-             "vocab_start": "i32", "V_global": "i32", "ignore_index": "i32", "smoothing": "fp32",
-             "z_loss": "fp32", "MEAN": "constexpr", "HAS_SMOOTHING": "constexpr",
-             "HAS_Z": "constexpr", "BLOCK": "constexpr", "VEC": "constexpr",
-             "GRAD_BLOCK": "constexpr", "SPLIT": "constexpr", "GDC": "constexpr",
-             "SUM_IN_GRAD": "constexpr", "FIRST_HINT": "constexpr", "SECOND_HINT": "constexpr",
-             "STORE_HINT": "constexpr", "SECOND_CACHE": "constexpr", "STORE_CACHE": "constexpr"}
+              "N": "i32", "tgt_stride": "i32", "ignore_index": "i32"}
+fused_sig = signature("bf16")  # the launched signature, kept in scripts/ptxas_registers.py
 print(json.dumps({
     "count": order(ptx(K._ce_count_kernel, count_sig, dict(BLOCK=4096, GDC=gdc), 16)),
     "reduce": order(ptx(K._ce_reduce_kernel, reduce_sig,
@@ -84,8 +79,7 @@ print(json.dumps({
     "fused": order(ptx(K._ce_forward_grad_kernel, fused_sig,
                        dict(MEAN=True, HAS_SMOOTHING=False, HAS_Z=False, BLOCK=1024, VEC=8,
                             GRAD_BLOCK=1024, SPLIT=False, GDC=gdc, SUM_IN_GRAD=False,
-                            FIRST_HINT="evict_last", SECOND_HINT="evict_first", STORE_HINT="",
-                            SECOND_CACHE="", STORE_CACHE=""),
+                            FIRST_HINT="evict_last", SECOND_HINT="evict_first", STORE_HINT=""),
                        8)),
 }))
 '''
