@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 
-from vocab_parallel_loss import (VocabParallelCrossEntropy, cross_entropy, parallel_cross_entropy,
-                                 reference)
+from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, cross_entropy,
+                                 parallel_cross_entropy, settings)
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
 
-ce_mod = importlib.import_module("vocab_parallel_loss.cross_entropy")  # the package exports a function of that name
+ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
 
 TOL = {torch.float32: (2e-5, 2e-6), torch.bfloat16: (1e-4, 8e-3), torch.float16: (1e-4, 1e-3),
        torch.float64: (2e-5, 2e-6)}
@@ -25,13 +25,13 @@ TOL = {torch.float32: (2e-5, 2e-6), torch.bfloat16: (1e-4, 8e-3), torch.float16:
 @pytest.fixture(params=["triton", "torch"])
 def impl(request, monkeypatch):
     if request.param == "triton":
-        if ce_mod._triton_kernels is None:
+        if backends.triton_logits is None:
             pytest.skip("triton not importable")
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
-        monkeypatch.setattr(ce_mod, "_backend", lambda t: ce_mod._triton_kernels)
+        monkeypatch.setattr(backends, "triton_runs", lambda t: True)
     else:
-        monkeypatch.setattr(ce_mod, "_backend", lambda t: reference)
+        monkeypatch.setattr(backends, "triton_runs", lambda t: False)
     monkeypatch.setattr(ce_mod, "_plans", {})  # a plan records the backend's fused path
     return request.param
 
@@ -386,7 +386,7 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
                                                   sum_in_grad):
     if impl != "triton":
         pytest.skip("the fused path is Triton's")
-    kernels = ce_mod._triton_kernels
+    kernels = backends.triton_logits
     default = kernels.fused_config
     # per_sm=4: a grid of 8 programs (the interpreter counts 2 multiprocessors) loops over rows,
     # with blocks shorter than the row read as whole blocks without a mask and then a tail;
@@ -399,7 +399,7 @@ def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, p
     saved = []
     grads = {}
     for fused in ("1", "0"):
-        monkeypatch.setenv(ce_mod.FUSED_ENV, fused)
+        monkeypatch.setenv(settings.FUSED_REDUCED, fused)
         monkeypatch.setattr(ce_mod, "_plans", {})
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
             loss = cross_entropy(logits, target, reduction="mean", label_smoothing=0.1,
@@ -419,7 +419,7 @@ def test_fused_path_picks_its_config_for_where_the_gradient_goes(impl, monkeypat
     config must be asked with that, and the in-place result must equal the out-of-place one."""
     if impl != "triton":
         pytest.skip("the fused path is Triton's")
-    kernels = ce_mod._triton_kernels
+    kernels = backends.triton_logits
     default, asked = kernels.fused_config, []
 
     def spy(v, d, ls=False, inplace=False):
@@ -445,7 +445,7 @@ def test_backward_picks_its_config_for_label_smoothing(impl, monkeypatch, smooth
     backward_config): the config must be asked with it, and the result must not depend on it."""
     if impl != "triton":
         pytest.skip("the configs are Triton's")
-    kernels = ce_mod._triton_kernels
+    kernels = backends.triton_logits
     default, asked = kernels.backward_config, []
 
     def spy(v, d, ls=False):
@@ -470,7 +470,7 @@ def test_backward_picks_its_config_for_label_smoothing(impl, monkeypatch, smooth
 def test_backward_config_for_label_smoothing():
     """8 warps for label smoothing on 16K-32K-column rows of 2-byte logits (measured on the
     H200: 498 against 518 us at 32 warps), 32 otherwise; the block is the same."""
-    kernels = pytest.importorskip("vocab_parallel_loss.kernels.cross_entropy")
+    kernels = pytest.importorskip("vocab_parallel_loss.kernels.logits")
     plain = kernels.backward_config(32000, torch.bfloat16)
     smooth = kernels.backward_config(32000, torch.bfloat16, True)
     assert (plain["num_warps"], smooth["num_warps"]) == (32, 8)
@@ -482,7 +482,7 @@ def test_backward_config_for_label_smoothing():
 def test_cached_call_plans_keep_every_check(impl):
     """Calls with a signature seen before skip the checks (a cached plan): every call that
     differs in what the checks look at must still be checked."""
-    ce = importlib.import_module("vocab_parallel_loss.cross_entropy")
+    ce = importlib.import_module("vocab_parallel_loss.autograd.logits")
     logits = torch.randn(3, 4, 37)
     target = torch.randint(0, 37, (3, 4))
     first = cross_entropy(logits, target, label_smoothing=0.1)

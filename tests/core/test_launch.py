@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from vocab_parallel_loss import cross_entropy
-from vocab_parallel_loss.kernels import _launch
+from vocab_parallel_loss.kernels import launch as _launch
 
 HAS_NATIVE_SPECIALIZER = hasattr(importlib.import_module("triton._C.libtriton"),
                                  "native_specialize_impl")
@@ -61,7 +61,7 @@ def test_int_pointers_are_found_in_this_tritons_launcher(tmp_path):
 
 
 def test_env_var_turns_it_off():
-    code = "from vocab_parallel_loss.kernels import _launch; print(_launch._enabled)"
+    code = "from vocab_parallel_loss.kernels import launch as _launch; print(_launch._enabled)"
     env = dict(os.environ, VPL_FAST_LAUNCH="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=300, check=True)
@@ -85,7 +85,7 @@ def test_no_grad_shortcut_matches_the_autograd_function(reduction):
 @pytest.mark.parametrize("mean", [False, True])
 def test_reduction_kernel_matches_fp64(mean):
     """The single-program reduction over several 4096-token blocks (the last one partial)."""
-    from vocab_parallel_loss.kernels import cross_entropy as K
+    from vocab_parallel_loss.kernels import logits as K
 
     g = torch.Generator().manual_seed(11)
     loss = torch.rand(9001, generator=g) * 5
@@ -109,7 +109,7 @@ def test_reduction_kernel_matches_fp64(mean):
 @pytest.mark.parametrize("reduction", ["sum", "mean"])
 def test_reduction_paths_agree_with_fp64(one_program_max, reduction, monkeypatch):
     """Both reductions of the loss: one program (small N) and PyTorch's (large N)."""
-    from vocab_parallel_loss.kernels import cross_entropy as K
+    from vocab_parallel_loss.kernels import logits as K
 
     monkeypatch.setattr(K, "REDUCE_ONE_PROGRAM_MAX", one_program_max)
     g = torch.Generator().manual_seed(11)
@@ -206,7 +206,7 @@ def test_every_launch_pins_fma_contraction(monkeypatch):
     assert calls == [dict(enable_fp_fusion=True, BLOCK=4), dict(enable_fp_fusion=True, BLOCK=8)]
     assert _launch.PINNED == {"enable_fp_fusion": True}
     launches = 0
-    for path in Path(_launch.__file__).parent.glob("*.py"):
+    for path in Path(_launch.__file__).parent.rglob("*.py"):
         src = path.read_text()
         for match in re.finditer(r"\b\w+\[[^\]\n]+\]\(", src):  # ``name[grid](``
             depth, end = 1, match.end()

@@ -121,12 +121,12 @@ def test_chained_launches_match_plain_ones(reduction, inplace, monkeypatch):
     wrote it would scale the gradient with a stale count."""
     import importlib
 
-    from vocab_parallel_loss.kernels import _launch
-    from vocab_parallel_loss.kernels import cross_entropy as K
+    from vocab_parallel_loss.kernels import launch as _launch
+    from vocab_parallel_loss.kernels import logits as K
 
     if not K._pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch: compute capability 9.0+, VPL_PDL not 0")
-    ce_mod = importlib.import_module("vocab_parallel_loss.cross_entropy")
+    ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
     x, _, _ = _case(8192, 16032, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(1)
     targets = []
@@ -254,7 +254,7 @@ def test_fast_launch_is_taken_and_bitwise_equal(kw):
     """The direct launch of the compiled kernel gives exactly Triton's launch results, also when
     an aligned call of the same kernel is cached before a misaligned one (a key missing the
     alignment or an integer's divisibility would launch the wrong specialization)."""
-    from vocab_parallel_loss.kernels import _launch
+    from vocab_parallel_loss.kernels import launch as _launch
 
     cases = _fast_launch_cases()
     try:
@@ -283,7 +283,7 @@ def test_fast_launch_steps_aside_for_launch_hooks():
     """A profiler's launch hook must see every launch: the fast path falls back to Triton."""
     from triton import knobs
 
-    from vocab_parallel_loss.kernels import _launch
+    from vocab_parallel_loss.kernels import launch as _launch
 
     x, t, _ = _case(64, 4096, torch.bfloat16)
     cross_entropy(x, t)  # cached

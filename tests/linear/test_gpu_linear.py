@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
+from vocab_parallel_loss import linear_cross_entropy
 
-K = importlib.import_module("vocab_parallel_loss.kernels.linear_cross_entropy")
+K = importlib.import_module("vocab_parallel_loss.kernels.linear")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

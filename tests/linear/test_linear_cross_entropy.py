@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from tests.linear._lce_oracle import lce_reference, reference_grads
-from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
-from vocab_parallel_loss.module_linear import VocabParallelLinearCrossEntropy
+from vocab_parallel_loss import VocabParallelLinearCrossEntropy, backends, linear_cross_entropy
+from vocab_parallel_loss.reference.linear import TorchBackend
+from vocab_parallel_loss.settings import interpreting
 
-lce_mod = importlib.import_module("vocab_parallel_loss.linear_cross_entropy")
-K = lce_mod._triton_kernels
+lce_mod = importlib.import_module("vocab_parallel_loss.autograd.linear")
+K = backends.triton_linear
 
 IMPLS = ["triton", "torch"]
 # (loss atol, grad tolerance relative to the largest gradient entry)
@@ -27,7 +28,7 @@ TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-4, 2e-2)}
 
 @pytest.fixture(params=IMPLS)
 def impl(request):
-    if request.param == "triton" and (K is None or not lce_mod._interpreting()):
+    if request.param == "triton" and (K is None or not interpreting()):
         pytest.skip("the CPU tests run the Triton kernels through TRITON_INTERPRET=1")
     return request.param
 
@@ -190,7 +191,7 @@ def test_impls_agree_and_only_needed_grads(impl):
     assert_grads_close((de,), (wde,), torch.float32)
 
 
-@pytest.mark.skipif(K is None or not lce_mod._interpreting(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(K is None or not interpreting(), reason="needs TRITON_INTERPRET=1")
 @pytest.mark.parametrize("cfg", [
     dict(split=1, chunk_bytes=1 << 30),
     dict(split=3, fwd_block_v=16, bwd_block_v=16, bwd_block_n=32, mm_block_k=32, chunk_bytes=256),
@@ -255,7 +256,7 @@ def test_descriptors_only_for_aligned_rows():
     bf = torch.bfloat16
     e = torch.zeros(5, 24, dtype=bf)
     c = torch.zeros(7, 24, dtype=bf)
-    assert K._descriptors_ok(e, c) == (K.TensorDescriptor is not None and lce_mod._interpreting())
+    assert K._descriptors_ok(e, c) == (K.TensorDescriptor is not None and interpreting())
     assert not K._descriptors_ok(e.float(), c.float())  # fp32: pointers
     assert not K._descriptors_ok(torch.zeros(5, 17, dtype=bf), torch.zeros(7, 17, dtype=bf))
     assert not K._descriptors_ok(e.t().contiguous().t(), c)  # column-major
@@ -275,11 +276,11 @@ def test_module(impl):
     assert lse.shape == t.shape
 
 
-@pytest.mark.skipif(not lce_mod._interpreting(), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")
 def test_auto_uses_triton_under_interpreter():
     e, c, _, t = make()
-    assert lce_mod._backend("auto", e) is (K if K is not None else lce_mod._TorchBackend)
-    assert lce_mod._backend("torch", e) is lce_mod._TorchBackend
+    assert backends.linear_backend("auto", e) is (K if K is not None else TorchBackend)
+    assert backends.linear_backend("torch", e) is TorchBackend
 
 
 def test_fp64_inputs_fall_back_to_torch():
@@ -361,7 +362,7 @@ GIF_CASES = [
 
 @pytest.fixture
 def grad_in_forward(monkeypatch):
-    if K is None or not lce_mod._interpreting():
+    if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(grad_in_forward="always"))
     calls = []
@@ -412,7 +413,7 @@ def test_grad_in_forward_edge_cases(grad_in_forward):
 
 
 def test_grad_in_forward_auto_respects_budget(monkeypatch):
-    if K is None or not lce_mod._interpreting():
+    if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
     e, c, b, t = make()
     cfg = K.INTERPRET_CONFIG.replace(grad_in_forward="auto", gif_max_bytes=1)

@@ -1,0 +1,1 @@
+"""Triton kernels and their host-side launch code (no autograd, no torch.distributed)."""

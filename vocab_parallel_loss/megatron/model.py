@@ -109,7 +109,7 @@ class VocabParallelLossMixin:
         parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
         does). The weight is the output layer's, or the embedding's when they are tied.
         """
-        from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy
+        from ..functional import linear_cross_entropy
 
         out = self.output_layer
         if self.share_embeddings_and_output_weights:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ._runtime import capturing, compiling
+from .runtime import capturing, compiling
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 

@@ -34,6 +34,7 @@ the first launch of each key: changing them at run time needs ``VPL_FAST_LAUNCH=
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import re
@@ -42,13 +43,15 @@ from typing import NamedTuple
 import torch
 import triton
 
-ENV = "VPL_FAST_LAUNCH"
+from .. import settings
+
+ENV = settings.FAST_LAUNCH
 
 #: launches per path, for tests and benchmarks
 counts = {"fast": 0, "triton": 0}
 
 #: None: not decided yet (decided at the first launch, which needs the GPU driver)
-_enabled = None if os.environ.get(ENV, "1") != "0" else False
+_enabled = None if settings.flag(ENV, True) else False
 _caches: dict = {}  # JITFunction -> {key: (launcher, function, packed_metadata, tail, kernel)}
 _MAX_KEYS = 64  # per kernel; past it new keys go through Triton (never expected)
 _I32 = 2**31
@@ -65,6 +68,15 @@ _JITFunction = None
 #: by default; the kernels were tuned with it (the fused kernel is close to instruction-bound)
 #: and their rounding tested with it, so a Triton upgrade must not change it silently.
 PINNED = {"enable_fp_fusion": True}
+
+
+@functools.lru_cache(maxsize=8)
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device``, which size persistent grids; on the CPU (the
+    interpreter) 2, so that small test shapes still run a program's loop over several rows."""
+    if device.type != "cuda":
+        return 2
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def set_enabled(on: bool) -> None:
@@ -240,7 +252,7 @@ def _decide() -> None:
 def _supported() -> bool:
     """Whether this Triton launches the way ``launch`` reproduces (see the module docstring)."""
     global _driver, _hook_owners, _knobs_runtime, _HookChain, _JITFunction, _int_pointers
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or not torch.cuda.is_available():
+    if settings.interpreting() or not torch.cuda.is_available():
         return False
     if torch.version.hip is not None:  # AMD specializes pointers on more than alignment
         return False

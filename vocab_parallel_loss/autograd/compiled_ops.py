@@ -1,7 +1,7 @@
 """The loss as registered ``torch.library`` ops, the path taken under ``torch.compile``.
 
-Eager code uses the ``autograd.Function`` in cross_entropy.py (less dispatch overhead); while
-``torch.compile`` traces, ``cross_entropy()`` routes here instead, so the compiled graph holds two
+Eager code uses the ``autograd.Function`` in autograd/logits.py (less dispatch overhead); while
+``torch.compile`` traces, ``autograd.logits.loss`` routes here instead, so the compiled graph holds two
 opaque ops with fake (meta) implementations and no graph break. The reduction is done with plain
 torch ops around the per-token op, so autograd hands the backward op a per-token gradient (an
 expanded scalar for ``"mean"``/``"sum"``).
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from . import distributed
-from ._layout import row_view
-from .cross_entropy import backward_impl, forward_impl, loss_options
+from .. import communication
+from ..layout import row_view
+from .steps import backward_impl, forward_impl, loss_options
 
 _NS = "vocab_parallel_loss"
 
@@ -22,7 +22,7 @@ _NS = "vocab_parallel_loss"
 @torch.library.custom_op(f"{_NS}::ce_forward", mutates_args=())
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_index: int,
                smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
-    g = distributed.group_from_key(group)
+    g = communication.group_from_key(group)
     opts = loss_options(g, logits.shape[-1], ignore_index, smoothing, z_loss)
     return forward_impl(row_view(logits), target.reshape(-1), g, opts)
 
@@ -37,7 +37,7 @@ def _(logits, target, group, ignore_index, smoothing, z_loss):
 def ce_backward(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                 dloss: torch.Tensor, group: str, ignore_index: int, smoothing: float,
                 z_loss: float) -> torch.Tensor:
-    opts = loss_options(distributed.group_from_key(group), logits.shape[-1], ignore_index,
+    opts = loss_options(communication.group_from_key(group), logits.shape[-1], ignore_index,
                         smoothing, z_loss)
     return backward_impl(row_view(logits), target.reshape(-1), lse, dloss, None, opts, False)
 
@@ -61,13 +61,13 @@ def _backward(ctx, dloss, dlse):
 torch.library.register_autograd(f"{_NS}::ce_forward", _backward, setup_context=_setup)
 
 
-def cross_entropy(logits, target, group, ignore_index, smoothing, z_loss, reduction,
+def cross_entropy_ops(logits, target, group, ignore_index, smoothing, z_loss, reduction,
                   inplace_backward) -> torch.Tensor:
     """Same arguments and result as ``_VocabParallelCrossEntropy.apply``."""
     # inplace_backward is not honoured here: a compiled graph is functional, so the backward op
     # returns a new tensor (the compiler may still reuse the dead logits buffer)
     del inplace_backward
-    loss, _ = ce_forward(logits, target, distributed.group_key(group), ignore_index, smoothing,
+    loss, _ = ce_forward(logits, target, communication.group_key(group), ignore_index, smoothing,
                          z_loss)
     if reduction == "none":
         return loss.view(target.shape)

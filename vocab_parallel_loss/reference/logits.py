@@ -1,7 +1,7 @@
 """Pure-PyTorch implementation with the kernels' exact semantics.
 
 Used for CPU tensors when ``TRITON_INTERPRET`` is not set and wherever Triton is missing. The
-functions mirror ``forward``, ``merge``, ``reduce`` and ``backward`` of ``kernels/cross_entropy.py``
+functions mirror ``forward``, ``merge``, ``reduce`` and ``backward`` of ``kernels/logits.py``
 (same arguments, same outputs), so the autograd layer does not care which one runs; the fused
 path of reduced losses (``forward_grad``) is the Triton backend's only, an optimisation of the
 same result. Rows are processed in chunks so that at most ``_CHUNK_ELEMENTS`` fp32 logits exist
@@ -11,6 +11,8 @@ at a time.
 from __future__ import annotations
 
 import torch
+
+from ..formulas import merge_stats, token_loss
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -35,19 +37,10 @@ def _blocks(view):
             yield lo * d1, hi * d1, x3[lo:hi]
 
 
-def _loss_from_stats(t, lse, x_t, sum_x, vocab_size, ignore_index, smoothing, z_loss):
-    loss = lse - x_t
-    if smoothing > 0:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_x / vocab_size)
-    if z_loss != 0:
-        loss = loss + z_loss * lse * lse
-    ignored = t == ignore_index
-    bad = ~ignored & ((t < 0) | (t >= vocab_size))
-    nan = torch.full_like(loss, float("nan"))
-    loss = torch.where(bad, nan, loss)
-    loss = torch.where(ignored, torch.zeros_like(loss), loss)
-    lse = torch.where(bad, nan, lse)
-    return loss, lse
+def _loss_and_lse(t, lse, x_t, sum_x, opts):
+    _, vocab_size, ignore_index, smoothing, z_loss = opts
+    loss, _, bad = token_loss(t, lse, x_t, sum_x, vocab_size, ignore_index, smoothing, z_loss)
+    return loss, torch.where(bad, torch.full_like(lse, float("nan")), lse)
 
 
 def _local_stats(rows, t, vocab_start, smoothing):
@@ -65,29 +58,22 @@ def _local_stats(rows, t, vocab_start, smoothing):
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
-    """Same contract as ``kernels.cross_entropy.forward``."""
+    """Same contract as ``kernels.logits.forward``."""
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     t = target.long()
     for lo, hi, block in _blocks(view):
         rows = block.reshape(-1, block.shape[-1])
         m, s, x_t, sum_x = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
         if stats is None:
-            l, e = _loss_from_stats(t[lo:hi], m + torch.log(s), x_t, sum_x, vocab_size,
-                                    ignore_index, smoothing, z_loss)
+            l, e = _loss_and_lse(t[lo:hi], m + torch.log(s), x_t, sum_x, opts)
             loss[lo:hi], lse[lo:hi] = l, e
         else:
             stats[:, lo:hi] = torch.stack([m, s, x_t, sum_x])
 
 
 def merge(gathered, target, loss, lse, opts):
-    _, vocab_size, ignore_index, smoothing, z_loss = opts
-    m_r, s_r, x_t, sum_x = gathered.unbind(1)
-    m = m_r.amax(dim=0)
-    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    s = (s_r * torch.exp(m_r - m_safe)).sum(dim=0)
-    m = torch.where(torch.isnan(s), s, m)
-    l, e = _loss_from_stats(target.long(), m + torch.log(s), x_t.sum(0), sum_x.sum(0), vocab_size,
-                            ignore_index, smoothing, z_loss)
+    """Same contract as ``kernels.logits.merge``: ``gathered`` is ``(world, 4, N)``."""
+    l, e = _loss_and_lse(target.long(), *merge_stats(gathered), opts)
     loss.copy_(l)
     lse.copy_(e)
 
@@ -101,7 +87,7 @@ def reduce(loss, target, ignore_index, mean, memo=None):
 
 
 def backward(view, dview, target, lse, dloss, count, opts, memo=None):
-    """Same contract as ``kernels.cross_entropy.backward``."""
+    """Same contract as ``kernels.logits.backward``."""
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     n, v = target.numel(), view.vocab
     t = target.long()

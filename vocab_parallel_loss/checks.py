@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 REDUCTIONS = ("none", "mean", "sum")
-
-#: Set ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1`` to raise on out-of-range targets (costs a sync).
-CHECK_TARGETS_ENV = "VOCAB_PARALLEL_LOSS_CHECK_TARGETS"
-
 
 def check_float(name: str, t: torch.Tensor) -> None:
     if not torch.is_floating_point(t):
@@ -46,12 +40,6 @@ def check_same_device(**tensors: torch.Tensor) -> None:
         raise ValueError(f"tensors are on different devices: {devices}")
 
 
-def targets_check_requested(explicit: bool | None = None) -> bool:
-    if explicit is not None:
-        return explicit
-    return os.environ.get(CHECK_TARGETS_ENV, "0") not in ("", "0", "false", "False")
-
-
 def check_target_range(target: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
     """Opt-in: raise on a target outside [0, vocab_size) that is not ``ignore_index`` (syncs)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab_size))
@@ -61,3 +49,8 @@ def check_target_range(target: torch.Tensor, vocab_size: int, ignore_index: int)
             f"target value {value} is outside the vocabulary [0, {vocab_size}) "
             f"and is not the ignore index {ignore_index}"
         )
+
+
+def check_z_loss(z_loss: float) -> None:
+    if float(z_loss) < 0:
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")

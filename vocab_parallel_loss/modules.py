@@ -1,14 +1,49 @@
-"""``nn.Module`` wrapper of the fused linear cross entropy."""
+"""``nn.Module`` front ends of the losses."""
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 from torch import nn
 
-from . import _checks
-from .linear_cross_entropy import IMPLS, linear_cross_entropy
+from typing import Optional
+
+from . import checks, communication
+from .backends import IMPLS
+from .functional import cross_entropy, linear_cross_entropy
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Cross entropy over vocabulary-sharded logits; every rank gets the full-vocabulary loss.
+
+    ``forward(logits, target)``: ``logits`` is ``(..., V_local)`` (any strides: Megatron's
+    ``[s, b, v/tp]`` included), ``target`` is ``(...)`` of int32/int64. See
+    :func:`vocab_parallel_loss.cross_entropy` for the semantics.
+    """
+
+    def __init__(self, tp_group=None, *, label_smoothing: float = 0.0, ignore_index: int = -100,
+                 reduction: str = "none", z_loss: float = 0.0, inplace_backward: bool = False):
+        super().__init__()
+        checks.check_smoothing(label_smoothing)
+        checks.check_reduction(reduction)
+        checks.check_z_loss(z_loss)
+        self.tp_group = tp_group
+        communication.group_key(tp_group)  # register the group by name before any compiled call
+        self.label_smoothing = float(label_smoothing)
+        self.ignore_index = int(ignore_index)
+        self.reduction = reduction
+        self.z_loss = float(z_loss)
+        self.inplace_backward = bool(inplace_backward)
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, target, tp_group=self.tp_group,
+                             label_smoothing=self.label_smoothing, ignore_index=self.ignore_index,
+                             reduction=self.reduction, z_loss=self.z_loss,
+                             inplace_backward=self.inplace_backward)
+
+    def extra_repr(self) -> str:
+        return (f"label_smoothing={self.label_smoothing}, ignore_index={self.ignore_index}, "
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}, "
+                f"inplace_backward={self.inplace_backward}")
 
 
 class VocabParallelLinearCrossEntropy(nn.Module):
@@ -23,8 +58,8 @@ class VocabParallelLinearCrossEntropy(nn.Module):
                  tp_group=None, sequence_parallel: bool = False, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, impl: str = "auto"):
         super().__init__()
-        _checks.check_reduction(reduction)
-        _checks.check_smoothing(label_smoothing)
+        checks.check_reduction(reduction)
+        checks.check_smoothing(label_smoothing)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         self.ignore_index = ignore_index

@@ -28,13 +28,14 @@ parallelism the row's statistics need the collective first, so the two passes st
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import launch, launch_memo
+from .. import settings
+from ..reference import logits as torch_reference  # large reductions: the PyTorch ops
+from .launch import launch, launch_memo, multiprocessors
 
 # In the kernels, 1.4426950408889634 is log2(e) and 0.6931471805599453 is ln(2): written as
 # literals because plain module-level floats are not visible inside @triton.jit on every version.
@@ -563,7 +564,7 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
 
     ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets, ``opts`` the
     ``LossOptions``; ``memo`` (a dict, or None) remembers the launch for the next call with the
-    same shapes (``_launch.launch_memo``).
+    same shapes (``launch.launch_memo``).
     """
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
@@ -609,9 +610,7 @@ def reduce(loss, target, ignore_index, mean, memo=None, count=None, chained=Fals
     if loss.numel() > REDUCE_ONE_PROGRAM_MAX:
         if counted:  # the PyTorch ops
             return loss.sum() / count.clamp(min=1), count
-        from .. import reference  # the PyTorch ops, same contract
-
-        return reference.reduce(loss, target, ignore_index, mean)
+        return torch_reference.reduce(loss, target, ignore_index, mean)
     out = torch.empty((), dtype=torch.float32, device=loss.device)
     if mean and not counted:
         count = torch.empty((), dtype=torch.int64, device=loss.device)
@@ -649,7 +648,7 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
     args = (x, dview.tensor, target, lse, dloss, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0),
             dloss.stride(0) if dloss.dim() else 0, *opts)
-    grid = (min(n, UNLESS_UNIT_PER_SM * _multiprocessors(x.device)),) if unless_unit else (n,)
+    grid = (min(n, UNLESS_UNIT_PER_SM * multiprocessors(x.device)),) if unless_unit else (n,)
 
     def kwargs():
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0,
@@ -664,13 +663,6 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
 
 
 # --------------------------------------------------------------- fused path of reduced losses
-@functools.lru_cache(maxsize=8)
-def _multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":  # the interpreter: a small grid, so tests run the row loop
-        return 2
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @functools.lru_cache(maxsize=256)
 def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False,
                  inplace: bool = False) -> dict:
@@ -743,7 +735,7 @@ def _counts_in_one_program(n: int) -> bool:
 
 
 #: ``VPL_PDL=0`` turns programmatic dependent launch off (``_pdl``)
-PDL_ENV = "VPL_PDL"
+PDL_ENV = settings.PDL
 
 
 @functools.lru_cache(maxsize=8)
@@ -765,7 +757,7 @@ def _pdl(device: torch.device) -> bool:
     """
     if device.type != "cuda" or torch.version.hip is not None:
         return False
-    if os.environ.get(PDL_ENV, "1") == "0" or not hasattr(tl.extra.cuda, "gdc_wait"):
+    if not settings.flag(PDL_ENV, True) or not hasattr(tl.extra.cuda, "gdc_wait"):
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 
@@ -806,7 +798,7 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
     cfg = dict(config or fused_config(v_local, x.dtype, opts.smoothing > 0,
                                       dview.tensor is x))
     per_sm = cfg.pop("programs_per_sm")
-    grid = (min(n, per_sm * _multiprocessors(x.device)),) if per_sm else (n,)
+    grid = (min(n, per_sm * multiprocessors(x.device)),) if per_sm else (n,)
     args = (x, dview.tensor, target, loss, lse, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
 
@@ -829,7 +821,7 @@ def scale_grad(dview, target, dloss, ignore_index, memo=None):
     v_local = x.shape[-1]
     args = (x, target, dloss, n, v_local, dview.D1, dview.s0, dview.s1, target.stride(0),
             ignore_index)
-    grid = (min(n, UNLESS_UNIT_PER_SM * _multiprocessors(x.device)),)
+    grid = (min(n, UNLESS_UNIT_PER_SM * multiprocessors(x.device)),)
 
     def kwargs():
         return dict(BLOCK=_block(v_local, 8192), num_warps=8)

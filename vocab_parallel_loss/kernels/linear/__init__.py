@@ -41,15 +41,14 @@ All row/column offsets are computed in int64.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import PINNED  # compile options every launch pins (FMA contraction)
+from ... import settings
+from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -173,34 +172,24 @@ INTERPRET_CONFIG = LCEConfig(
 OVERRIDE_CONFIG: Optional[LCEConfig] = None
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 def default_config(device: torch.device) -> LCEConfig:
     if OVERRIDE_CONFIG is not None:
         cfg = OVERRIDE_CONFIG
-    elif device.type != "cuda" or interpreting():
+    elif device.type != "cuda" or settings.interpreting():
         cfg = INTERPRET_CONFIG
     else:
         major, _ = torch.cuda.get_device_capability(device)
         cfg = HOPPER_CONFIG if major >= 9 else AMPERE_CONFIG
-    env = os.environ.get("VPL_LCE_CONFIG")
-    if env:
-        cfg = cfg.replace(**json.loads(env))
+    overrides = settings.lce_config_overrides()
+    if overrides:
+        cfg = cfg.replace(**overrides)
     return cfg
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _upcast(dtype: torch.dtype) -> bool:
     # Triton's interpreter (3.9) feeds bf16 operands of tl.dot to numpy as their raw uint16 bits;
     # upcasting first is exact (bf16 x bf16 products fit fp32), as the tensor cores compute.
-    return dtype == torch.bfloat16 and interpreting()
+    return dtype == torch.bfloat16 and settings.interpreting()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -599,7 +588,7 @@ def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
     tensor-core dot, and three stages of them would not fit in shared memory."""
     if TensorDescriptor is None or e.element_size() != 2:
         return False
-    if not interpreting():
+    if not settings.interpreting():
         if e.device.type != "cuda" or torch.cuda.get_device_capability(e.device)[0] < 9:
             return False
     for t in (e, c):
@@ -647,7 +636,7 @@ def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device):
     """The forward's vocabulary splits per row block and tiles per split (every split
     non-empty): ``cfg.split``, or ``_forward_splits``' choice when it is 0."""
     num_rb, num_vt = triton.cdiv(N, cfg.fwd_block_n), triton.cdiv(V, cfg.fwd_block_v)
-    tiles = triton.cdiv(num_vt, cfg.split or _forward_splits(num_rb, num_vt, _num_sms(device)))
+    tiles = triton.cdiv(num_vt, cfg.split or _forward_splits(num_rb, num_vt, multiprocessors(device)))
     return triton.cdiv(num_vt, tiles), tiles
 
 
@@ -883,7 +872,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         tiles = num_rb * triton.cdiv(nc, BV)
         # flat: persistent programs, one per multiprocessor (each holds ~180 KB of shared
         # memory on sm_90, so a second would not fit anyway)
-        grid = (min(tiles, _num_sms(dev)) if flat else tiles,)
+        grid = (min(tiles, multiprocessors(dev)) if flat else tiles,)
         _lce_dlogits_kernel[grid](
             ea, ca, bias if bias is not None else e, targets, coef, dd,
             db_part if db_part is not None else coef,

@@ -1,0 +1,216 @@
+"""Autograd of the vocab-parallel cross entropy over logits (eager path; ``loss`` is the entry
+that ``functional.cross_entropy`` calls).
+
+Forward (per rank): one pass over the local shard gives per-row statistics; with tensor
+parallelism one all-gather of those (4 x N floats) and a merge give the full-vocabulary loss and
+lse on every rank. Saved for backward: the logits reference, the flat targets and the lse (O(N)).
+Backward: no communication; one pass recomputes the softmax from the saved lse and writes the
+gradient, rounded once to the logits dtype, into a new tensor or over the logits.
+
+A ``"mean"``/``"sum"`` loss on one shard takes a fused path instead (``_fused_forward``): the
+forward kernel also writes the gradient for a unit upstream gradient, and backward acts only
+when the upstream gradient is not 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import checks, communication, settings
+from ..backends import logits_backend, triton_logits
+from ..layout import RowView, like_rows, row_view
+from ..runtime import compiling
+from . import compiled_ops
+from .steps import backward_impl, forward_impl, loss_options
+
+
+class _Plan(NamedTuple):
+    """What the argument checks of one call signature established, for every later call with it.
+
+    A signature is the logits' shape, strides, dtype and device, the target's shape, dtype and
+    device, and the options; a call that matches one skips the checks and the layout analysis
+    (~2-3 us of host time), and its kernels repeat their remembered launches (``memo``).
+    """
+
+    group: object
+    opts: LossOptions
+    reduction: str
+    inplace_backward: bool
+    rows: Optional[tuple]  # (D1, s0, s1) when the logits are read in place, else None
+    fused: bool  # a reduced loss whose gradient is formed in forward (``_fused_forward``)
+    memo: dict  # launches remembered by the kernels (kernels/launch.launch_memo)
+    # VOCAB_PARALLEL_LOSS_CHECK_TARGETS, read here rather than per call: an environment
+    # lookup costs ~1 us of host time (1.5 us on the CI machine), 3-5% of a forward's
+    check_targets: bool
+
+
+_plans: dict = {}
+_MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
+
+
+def _check_args(logits, target, label_smoothing, reduction, z_loss):
+    checks.check_float("logits", logits)
+    checks.check_target_dtype(target)
+    checks.check_smoothing(label_smoothing)
+    checks.check_reduction(reduction)
+    shape = logits.shape
+    if not shape or shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(shape)}")
+    if target.shape != shape[:-1]:
+        checks.check_leading_shape("leading dims of logits", shape[:-1], target)
+    if target.device != logits.device:
+        checks.check_same_device(logits=logits, target=target)
+    checks.check_z_loss(z_loss)
+
+
+def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
+               inplace_backward) -> tuple:
+    """Check the arguments; returns ``(plan, reusable)``."""
+    _check_args(logits, target, label_smoothing, reduction, z_loss)
+    verified = True
+    if tp_group is not None:  # no group: one shard, nothing to check
+        verified = communication.check_equal_shards(logits.shape[-1], tp_group, logits.device)
+    opts = loss_options(tp_group, logits.shape[-1], int(ignore_index), float(label_smoothing),
+                        float(z_loss))
+    view = row_view(logits)
+    rows = (view.D1, view.s0, view.s1) if view.tensor is logits else None
+    # every vocabulary size: measured faster than two passes up to 256K columns, where the rows
+    # in flight outgrow the L2 (kernels/logits.py, fused_config)
+    fused = (reduction != "none" and opts.vocab_size == logits.shape[-1]
+             and logits_backend(logits) is triton_logits
+             and settings.flag(settings.FUSED_REDUCED, True))
+    plan = _Plan(tp_group, opts, reduction, bool(inplace_backward), rows, fused, {},
+                 settings.flag(settings.CHECK_TARGETS, False))
+    return plan, verified
+
+
+def _fused_forward(ctx, view, t, plan):
+    """A reduced loss on one shard, its gradient formed in the same kernel (4 B/element of HBM
+    traffic instead of 6, see ``kernels.logits.forward_grad``) for an upstream gradient
+    of 1; backward then only acts when the upstream gradient is not 1, decided on the device."""
+    backend, opts, memo = triton_logits, plan.opts, plan.memo
+    n, device = t.numel(), view.tensor.device
+    mean = plan.reduction == "mean"
+    count = backend.count(t, opts.ignore_index, memo) if mean else None
+    dview = view if plan.inplace_backward else like_rows(view)
+    buf = torch.empty((2, n), dtype=torch.float32, device=device)
+    loss, lse = buf[0], buf[1]
+    backend.forward_grad(view, dview, t, loss, lse, count, opts, memo)
+    out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count, chained=True)
+    if plan.inplace_backward:
+        # the logits now hold the gradient: make any later use of them fail loudly
+        torch.autograd.graph.increment_version(view.tensor)
+    ctx.save_for_backward(view.tensor, t, lse, count, dview.tensor)
+    ctx.rows = (view.D1, view.s0, view.s1)
+    ctx.grad_rows = (dview.D1, dview.s0, dview.s1)
+    ctx.plan = plan
+    ctx.grad_taken = False
+    return out
+
+
+def _fused_backward(ctx, dloss):
+    logits, t, lse, count, grad = ctx.saved_tensors
+    plan = ctx.plan
+    if ctx.grad_taken:  # a second backward through a retained graph: the buffer is handed out
+        if plan.inplace_backward:
+            raise RuntimeError("a loss with inplace_backward=True was differentiated twice "
+                               "(retain_graph): its logits hold the first gradient; use "
+                               "inplace_backward=False to backward more than once")
+        return backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, plan.opts,
+                             False, plan.memo)
+    ctx.grad_taken = True
+    dview = RowView(grad, *ctx.grad_rows)
+    if plan.inplace_backward:  # the logits are gone: scale the gradient when dloss != 1
+        triton_logits.scale_grad(dview, t, dloss, plan.opts.ignore_index, plan.memo)
+    else:  # recompute it from the logits when dloss != 1 (rounded once, as in two passes)
+        triton_logits.backward(RowView(logits, *ctx.rows), dview, t, lse, dloss, count,
+                                 plan.opts, plan.memo, unless_unit=True)
+    return grad
+
+
+def _loss_forward(ctx, logits, target, plan):
+    """The forward of ``_VocabParallelCrossEntropy``; ``ctx`` is None when no gradient is needed."""
+    one_dim = target.dim() == 1  # the flat targets and the loss need no reshaping
+    t = target if one_dim else target.reshape(-1)
+    view = row_view(logits) if plan.rows is None else RowView(logits, *plan.rows)
+    opts = plan.opts
+    if plan.fused and ctx is not None and t.numel() > 0:
+        ctx.fused = True
+        return _fused_forward(ctx, view, t, plan)
+    loss, lse = forward_impl(view, t, plan.group, opts, plan.memo)
+    out = count = None
+    if plan.reduction != "none":
+        out, count = logits_backend(logits).reduce(loss, t, opts.ignore_index, plan.reduction == "mean",
+                                             plan.memo)
+    if ctx is not None:
+        # view.tensor is the logits themselves except for layouts that needed a copy
+        ctx.save_for_backward(view.tensor, t, lse, count)
+        ctx.rows = (view.D1, view.s0, view.s1)
+        ctx.plan = plan
+        ctx.fused = False
+    if out is None:
+        if one_dim:
+            return loss
+        # view(*sizes): ~1 us less host time than view(torch.Size) (torch 2.x argument parsing)
+        return loss.view(*target.shape) if target.dim() else loss.view(())
+    return out
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, plan):
+        return _loss_forward(ctx, logits, target, plan)
+
+    @staticmethod
+    def backward(ctx, dloss):
+        if ctx.fused:
+            return _fused_backward(ctx, dloss), None, None
+        logits, t, lse, count = ctx.saved_tensors
+        plan = ctx.plan
+        grad = backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, plan.opts,
+                             plan.inplace_backward, plan.memo)
+        return grad, None, None
+
+
+try:
+    # the C apply that Function.apply ends in: skips its Python prologue (argument binding for
+    # setup_context, which this Function does not define, and functorch's unwrapping), ~1-2 us
+    _apply_no_functorch = super(torch.autograd.Function, _VocabParallelCrossEntropy).apply
+    _functorch_active = torch._C._are_functorch_transforms_active
+except AttributeError:  # pragma: no cover - another torch: the public apply only
+    _apply_no_functorch = _functorch_active = None
+
+
+def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
+         inplace_backward, check_targets) -> torch.Tensor:
+    """``functional.cross_entropy`` (see there), arguments checked once per call signature."""
+    if compiling():
+        # registered torch.library ops: traced by torch.compile, no graph break
+        _check_args(logits, target, label_smoothing, reduction, z_loss)
+        if tp_group is not None:
+            communication.check_equal_shards(logits.shape[-1], tp_group, logits.device)
+        return compiled_ops.cross_entropy_ops(logits, target, tp_group, int(ignore_index),
+                                         float(label_smoothing), float(z_loss), reduction,
+                                         bool(inplace_backward))
+    try:
+        key = (logits.shape, logits.stride(), logits.dtype, logits.device, target.shape,
+               target.dtype, target.device, tp_group, label_smoothing, ignore_index, reduction,
+               z_loss, inplace_backward)
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable option: no plan is kept
+        key = plan = None
+    if plan is None:
+        plan, reusable = _make_plan(logits, target, tp_group, label_smoothing, ignore_index,
+                                    reduction, z_loss, inplace_backward)
+        if key is not None and reusable and len(_plans) < _MAX_PLANS:
+            _plans[key] = plan
+    if plan.check_targets if check_targets is None else check_targets:
+        checks.check_target_range(target, plan.opts.vocab_size, plan.opts.ignore_index)
+    if not (logits.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the
+        # autograd Function's cost (and the fused path's gradient)
+        return _loss_forward(None, logits, target, plan)
+    if _apply_no_functorch is not None and not _functorch_active():
+        return _apply_no_functorch(logits, target, plan)
+    return _VocabParallelCrossEntropy.apply(logits, target, plan)

@@ -1,0 +1,60 @@
+"""The forward and backward steps of the loss over logits, shared by the eager autograd
+Function (``autograd/logits.py``) and the ops registered for ``torch.compile``
+(``autograd/compiled_ops.py``).
+
+Forward: per-shard statistics (backend kernel) -> one all-gather over the TP group -> merge into
+the full-vocabulary loss and lse. Backward: no communication; the gradient is recomputed from the
+saved lse and written once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import communication
+from ..backends import logits_backend
+from ..layout import like_rows
+from ..options import LossOptions
+
+
+def loss_options(group, v_local, ignore_index, smoothing, z_loss) -> LossOptions:
+    """The options of this rank's shard of a ``v_local``-column vocabulary slice."""
+    if group is None:  # the common single-shard call: no process-group queries
+        return LossOptions(0, v_local, ignore_index, smoothing, z_loss)
+    world = communication.world_size(group)
+    rank = communication.rank(group) if world > 1 else 0
+    return LossOptions(rank * v_local, v_local * world, ignore_index, smoothing, z_loss)
+
+
+def forward_impl(view, t, group, opts, memo=None):
+    """Per-token fp32 loss and lse of flat targets ``t`` from the ``RowView`` of the logits."""
+    logits = view.tensor
+    n, device = t.numel(), logits.device
+    loss = torch.empty(n, dtype=torch.float32, device=device)
+    if opts.vocab_size == logits.shape[-1]:  # one shard holds the whole vocabulary
+        lse = torch.empty(n, dtype=torch.float32, device=device)
+        if n > 0:
+            logits_backend(logits).forward(view, t, opts, None, loss, lse, memo)
+        return loss, lse
+    # the stats and the lse in one allocation: the lse is saved, the stats are gathered
+    buf = torch.empty((5, n), dtype=torch.float32, device=device)
+    stats, lse = buf[:4], buf[4]
+    if n > 0:
+        backend = logits_backend(logits)
+        backend.forward(view, t, opts, stats, None, None, memo)
+        gathered = communication.gather_stats(stats, group)
+        backend.merge(gathered, t, loss, lse, opts)
+    return loss, lse
+
+
+def backward_impl(view, t, lse, dloss, count, opts, inplace, memo=None):
+    """The logits gradient: a new tensor, or written over ``view.tensor`` when ``inplace``."""
+    if dloss.dim() > 1:
+        dloss = dloss.reshape(-1)
+    dview = view if inplace else like_rows(view)
+    if t.numel() > 0:
+        logits_backend(view.tensor).backward(view, dview, t, lse, dloss, count, opts, memo)
+    if inplace:
+        # the logits now hold their gradient: make any later use of them fail loudly
+        torch.autograd.graph.increment_version(view.tensor)
+    return dview.tensor

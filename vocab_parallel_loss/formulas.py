@@ -1,0 +1,56 @@
+"""The loss math in PyTorch, written once: merging per-shard statistics and the per-token loss.
+
+Per token with global logits ``x``, target ``t``, label smoothing ``a``, z-loss ``z`` and global
+vocabulary ``V``::
+
+    lse  = log sum_j exp(x_j)
+    loss = (1 - a) (lse - x_t) + a (lse - sum_j x_j / V) + z lse^2
+
+Each vocabulary shard (or vocabulary split of one shard) contributes the statistics
+``(m, s, x_t, sum_x)``: its max, ``sum exp(x - m)``, the target logit (0 when the target is not
+in the shard) and the sum of its logits. The Triton kernels compute the same in-kernel; these
+functions serve the PyTorch backends and the host-side merges.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def merge_partial_stats(parts: torch.Tensor):
+    """Merge ``(S, 4, N)`` statistics of ``S`` disjoint column ranges into ``(m, s, x_t, sum_x)``.
+
+    A range whose logits are all ``-inf`` has ``m = -inf`` and ``s = 0``; it adds nothing (no
+    ``-inf - -inf`` NaN). A NaN anywhere in a row makes that row's ``m`` and ``s`` NaN.
+    """
+    m_r, s_r = parts[:, 0], parts[:, 1]
+    m = m_r.amax(dim=0)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    s = (s_r * torch.exp(m_r - m_safe)).sum(dim=0)
+    m = torch.where(torch.isnan(s), s, m)
+    return m, s, parts[:, 2].sum(dim=0), parts[:, 3].sum(dim=0)
+
+
+def merge_stats(parts: torch.Tensor):
+    """``(lse, x_t, sum_x)`` of the whole vocabulary from ``(S, 4, N)`` per-range statistics."""
+    if parts.shape[0] == 1:
+        return parts[0, 0] + torch.log(parts[0, 1]), parts[0, 2], parts[0, 3]
+    m, s, x_t, sum_x = merge_partial_stats(parts)
+    return m + torch.log(s), x_t, sum_x
+
+
+def token_loss(target, lse, x_t, sum_x, vocab_size: int, ignore_index: int, smoothing: float,
+               z_loss: float):
+    """Per-token fp32 loss: 0 for ``ignore_index``, NaN for any other target outside
+    ``[0, vocab_size)``. Returns ``(loss, ignored, out_of_range)`` (the masks for callers that
+    also mask the lse or count the tokens)."""
+    loss = lse - x_t
+    if smoothing > 0:
+        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_x / vocab_size)
+    if z_loss != 0:
+        loss = loss + z_loss * lse * lse
+    ignored = target == ignore_index
+    bad = ~ignored & ((target < 0) | (target >= vocab_size))
+    loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
+    loss = torch.where(ignored, torch.zeros_like(loss), loss)
+    return loss, ignored, bad
