@@ -23,7 +23,7 @@ import torch.distributed as dist
 from tests._torchrun import init_worker_process_group
 
 from tests.linear._lce_oracle import reference_grads
-from vocab_parallel_loss import linear_cross_entropy
+from vocab_parallel_loss import linear_cross_entropy, settings
 from vocab_parallel_loss.kernels import linear as K
 
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
@@ -36,7 +36,7 @@ def init_process_group() -> None:
 
 def gif_config() -> "K.LCEConfig":
     """Gradients formed in forward, in several row chunks even on the tiny shapes."""
-    if DEVICE.type == "cuda" and not K.interpreting():
+    if DEVICE.type == "cuda" and not settings.interpreting():
         return K.default_config(DEVICE).replace(grad_in_forward="always", gif_rows=16)
     return K.INTERPRET_CONFIG.replace(grad_in_forward="always")
 
@@ -58,7 +58,8 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
                softcap=None, bias=False, shift=0, sp=False, gif=False, v_local=23, h=24, s=8,
                b=4):
     rank, world = dist.get_rank(), dist.get_world_size()
-    K.OVERRIDE_CONFIG = gif_config() if gif else None
+    K.config.OVERRIDE_CONFIG = gif_config() if gif else None
+    assert (K.default_config(DEVICE).grad_in_forward == "always") == gif
     v = v_local * world
     gen = torch.Generator().manual_seed(1234)
     # Megatron's output layer input: [s, b, h]; with shift the sequence must be dim -2

@@ -20,6 +20,8 @@ from vocab_parallel_loss.settings import interpreting
 
 lce_mod = importlib.import_module("vocab_parallel_loss.autograd.linear")
 K = backends.triton_linear
+KC = K.config if K is not None else None  # default_config reads OVERRIDE_CONFIG here
+KF = K.fused if K is not None else None
 
 IMPLS = ["triton", "torch"]
 # (loss atol, grad tolerance relative to the largest gradient entry)
@@ -195,29 +197,21 @@ def test_impls_agree_and_only_needed_grads(impl):
 @pytest.mark.parametrize("cfg", [
     dict(split=1, chunk_bytes=1 << 30),
     dict(split=3, fwd_block_v=16, bwd_block_v=16, bwd_block_n=32, mm_block_k=32, chunk_bytes=256),
-    dict(split=0, fwd_block_v=16),  # _forward_splits chooses (4 "multiprocessors" on CPU)
-    # chunked modes (Triton's GEMM stands in for cuBLAS on CPU): one chunk each way, then
-    # budgets below one aligned chunk: 8-row / 8-column chunks, the last one partial
-    dict(fwd_mode="chunked", bwd_mode="chunked"),
-    dict(fwd_mode="chunked", bwd_mode="chunked", fwd_chunk_bytes=1, chunk_bytes=1),
+    dict(split=0, fwd_block_v=16),  # _forward_splits chooses (2 "multiprocessors" on CPU)
     # TMA descriptors: the copy engine's zero fill replaces every mask of the logits tile
     dict(fwd_desc=True, bwd_desc=True),
     dict(fwd_desc=True, fwd_flat=True, split=3, fwd_block_v=16),
     dict(fwd_desc=True, bwd_desc=True, split=3, fwd_block_v=16, bwd_block_v=16, chunk_bytes=256),
-    # persistent dlogits programs (4 "multiprocessors" on CPU), each with several tiles
+    # persistent dlogits programs (2 "multiprocessors" on CPU), each with several tiles
     dict(bwd_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=37 * 48 * 4),
-    # dz tiles stored through a descriptor of each chunk's columns (the last chunk partial)
-    dict(bwd_desc=True, bwd_store_desc=True, bwd_block_v=16, chunk_bytes=256),
-    dict(bwd_desc=True, bwd_store_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=256),
-], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "chunked", "chunked-min",
-        "desc", "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits",
-        "desc-store-dz", "desc-store-dz-flat"])
+], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "desc",
+        "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits"])
 def test_triton_tile_configs(cfg, monkeypatch):
-    monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
     # descriptors take 16-bit inputs only (fp32 keeps pointers)
     desc = cfg.get("fwd_desc") or cfg.get("bwd_desc")
     if desc:
-        assert K._descriptors_ok(*make(dtype=torch.bfloat16)[:2])
+        assert KF._descriptors_ok(*make(dtype=torch.bfloat16)[:2])
     check("triton", torch.bfloat16 if desc else torch.float32, bias=True, softcap=5.0,
           label_smoothing=0.1, reduction="none", upstream=True)
 
@@ -236,7 +230,7 @@ def test_forward_splits_fill_the_waves():
     for sms in (4, 108, 132):
         for num_rb in (1, 7, 128, 129, 512):
             for num_vt in (1, 2, 63, 125, 501, 1000):
-                s = K._forward_splits(num_rb, num_vt, sms)
+                s = KF._forward_splits(num_rb, num_vt, sms)
                 assert 1 <= s <= num_vt
                 if num_vt >= -(-sms // 32):
                     assert -(-sms // s) <= 32  # row blocks in flight
@@ -256,11 +250,29 @@ def test_descriptors_only_for_aligned_rows():
     bf = torch.bfloat16
     e = torch.zeros(5, 24, dtype=bf)
     c = torch.zeros(7, 24, dtype=bf)
-    assert K._descriptors_ok(e, c) == (K.TensorDescriptor is not None and interpreting())
-    assert not K._descriptors_ok(e.float(), c.float())  # fp32: pointers
-    assert not K._descriptors_ok(torch.zeros(5, 17, dtype=bf), torch.zeros(7, 17, dtype=bf))
-    assert not K._descriptors_ok(e.t().contiguous().t(), c)  # column-major
-    assert not K._descriptors_ok(torch.zeros(5 * 24 + 1, dtype=bf)[1:].view(5, 24), c)  # 2 B off
+    assert KF._descriptors_ok(e, c) == (KF.TensorDescriptor is not None and interpreting())
+    assert not KF._descriptors_ok(e.float(), c.float())  # fp32: pointers
+    assert not KF._descriptors_ok(torch.zeros(5, 17, dtype=bf), torch.zeros(7, 17, dtype=bf))
+    assert not KF._descriptors_ok(e.t().contiguous().t(), c)  # column-major
+    assert not KF._descriptors_ok(torch.zeros(5 * 24 + 1, dtype=bf)[1:].view(5, 24), c)  # 2 B off
+
+
+def test_default_config_override_and_environment(monkeypatch):
+    """``config.OVERRIDE_CONFIG`` is what every call uses (the tests above rely on it), with the
+    fields of ``VPL_LCE_CONFIG`` on top; a field the config does not have is an error naming it."""
+    if K is None:
+        pytest.skip("no Triton")
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("VPL_LCE_CONFIG", raising=False)
+    assert K.default_config(cpu) == K.INTERPRET_CONFIG
+    cfg = K.INTERPRET_CONFIG.replace(split=3, chunk_bytes=256)
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
+    assert K.default_config(cpu) == cfg
+    monkeypatch.setenv("VPL_LCE_CONFIG", '{"fwd_block_v": 64}')
+    assert K.default_config(cpu) == cfg.replace(fwd_block_v=64)
+    monkeypatch.setenv("VPL_LCE_CONFIG", '{"bwd_mode": "chunked"}')
+    with pytest.raises(TypeError, match="bwd_mode"):
+        K.default_config(cpu)
 
 
 def test_module(impl):
@@ -364,7 +376,7 @@ GIF_CASES = [
 def grad_in_forward(monkeypatch):
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setattr(K, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(grad_in_forward="always"))
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(grad_in_forward="always"))
     calls = []
     orig = lce_mod._forward_with_grads
 
@@ -417,41 +429,8 @@ def test_grad_in_forward_auto_respects_budget(monkeypatch):
         pytest.skip("needs TRITON_INTERPRET=1")
     e, c, b, t = make()
     cfg = K.INTERPRET_CONFIG.replace(grad_in_forward="auto", gif_max_bytes=1)
-    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg)
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
     assert not lce_mod._use_grad_in_forward(K, e, c, None, "mean", 0, False, None)
-    monkeypatch.setattr(K, "OVERRIDE_CONFIG", cfg.replace(gif_max_bytes=1 << 30))
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg.replace(gif_max_bytes=1 << 30))
     assert lce_mod._use_grad_in_forward(K, e, c, None, "mean", 0, False, None)
     assert not lce_mod._use_grad_in_forward(K, e, c, None, "none", 0, False, None)
-
-
-def test_descriptor_kernels_compile_for_hopper():
-    """The interpreter runs Python, not Triton's compiler (it accepted an early ``return`` in a
-    constexpr branch that the compiler rejects): compile the default Hopper kernels (TMA
-    descriptors, flat forward), the flat dlogits option and the dz tiles stored through a
-    descriptor for sm_90, without a GPU."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import triton
-
-    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
-        pytest.skip("this Triton has no NVIDIA toolchain to compile for sm_90")
-    repo = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(repo))
-    out = subprocess.run([sys.executable, "scripts/aot_linear_kernels.py", "--config", "{}",
-                          "--config", '{"bwd_flat": true}', "--config",
-                          '{"bwd_store_desc": true}'], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=repo)
-    assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
-    lines = [x.split() for x in out.stdout.splitlines() if x.startswith("  fwd") or
-             x.startswith("  dlogits")]
-    assert len(lines) == 12, out.stdout
-    tma = []
-    for words in lines:  # every one reads through TMA and multiplies with wgmma
-        stats = dict(w.split("=") for w in words if "=" in w)
-        assert int(stats["tma"]) > 0 and int(stats["wgmma"]) > 0 and stats["cp.async"] == "0", words
-        tma.append(int(stats["tma"]))
-    # the descriptor store of dz adds a TMA instruction to both dlogits kernels of the last config
-    assert tma[10] > tma[2] and tma[11] > tma[3], out.stdout

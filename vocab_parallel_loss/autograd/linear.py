@@ -210,7 +210,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
-    rows = K.gif_chunk_rows(n, v, cfg)
+    rows = K.gif_chunk_rows(n, cfg)
     xbuf = torch.empty((rows, v), dtype=f32, device=dev) if n else None
     for i, r0 in enumerate(range(0, n, rows)):
         r1 = min(n, r0 + rows)
@@ -223,10 +223,10 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
         coef = _coef(lse_r, g[r0:r1], o, v_global)
         dz = K.rows_dz_inplace(x, bias, tr, v_offset, coef, o.softcap, e2.dtype, cfg)
         if need_de:
-            K.gemm_store(de[r0:r1], dz, c, cfg, None)
+            K.gemm_store(de[r0:r1], dz, c, cfg)
         if need_dc:
             if i == 0:
-                K.gemm_store(dc, dz.t(), er, cfg, None)
+                K.gemm_store(dc, dz.t(), er, cfg)
             else:
                 K.gemm_acc(dc, dz.t(), er, cfg)
         if need_db:

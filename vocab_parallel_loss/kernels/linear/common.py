@@ -1,0 +1,34 @@
+"""Helpers the kernel files of the fused linear loss share: operand handling for ``tl.dot``
+under the interpreter, the dot precision per dtype, the tile-size check and a portable tanh."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import settings
+
+
+def upcast(dtype: torch.dtype) -> bool:
+    # Triton's interpreter (3.9) feeds bf16 operands of tl.dot to numpy as their raw uint16 bits;
+    # upcasting first is exact (bf16 x bf16 products fit fp32), as the tensor cores compute.
+    return dtype == torch.bfloat16 and settings.interpreting()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: full precision ("tf32" would silently drop 13 mantissa bits on the GPU).
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tiles(*blocks: int) -> None:
+    for b in blocks:
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"tile sizes must be powers of two >= 16, got {b}")
+
+
+@triton.jit
+def tanh(x):
+    # exp-based tanh: saturates to +-1 (exp overflow -> inf -> 2/inf = 0), portable across
+    # backends and the interpreter.
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)

@@ -1,0 +1,116 @@
+"""Tile configuration of the fused linear cross entropy kernels, and how a call picks it.
+
+``default_config(device)`` returns ``OVERRIDE_CONFIG`` when it is set (benchmarks and tests set
+it), else the table for the device: Hopper, Ampere, or the interpreter's small tiles. The fields
+of ``VPL_LCE_CONFIG`` (JSON, ``settings.lce_config_overrides``) are applied on top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from ... import settings
+
+
+@dataclasses.dataclass
+class LCEConfig:
+    """Tile configuration of the fused linear cross entropy kernels.
+
+    ``fwd_*``: forward statistics kernel; ``bwd_*``: dlogits recompute kernel; ``mm_*``: the
+    Triton GEMM. ``split``: vocabulary splits per row block in the forward (0 = chosen from the
+    grid, ``fused._forward_splits``). ``chunk_bytes``: size of the ``(N, Vc)`` dlogits buffer in
+    backward (bigger = fewer, larger GEMMs; extra memory). ``matmul``: the gradient GEMMs in
+    ``"torch"`` (cuBLAS, fp32 accumulation; Triton where PyTorch lacks the fp32-output overload)
+    or ``"triton"`` (``gemm._mm_kernel``). CPU (interpreter) always uses Triton.
+
+    ``grad_in_forward``: ``"never"`` (default), ``"auto"`` or ``"always"``. For a scalar loss
+    (``reduction`` mean or sum) that needs gradients, form both gradients already in forward
+    from ``gif_rows``-row chunks of materialized fp32 logits: 6NHV flops instead of 8NHV, at
+    the price of memory that grows with V: an fp32 ``(V_local, H)`` ``dC`` accumulator and a
+    ``gif_rows x V_local`` fp32 chunk (plus the fp32 ``(N, H)`` ``dE`` both paths hold).
+    ``"auto"`` takes it when ``rows.gif_extra_bytes`` stays under ``gif_max_bytes``.
+    ``row_block`` / ``row_warps``: the memory-bound row kernels of that path.
+
+    ``fwd_desc`` / ``bwd_desc``: read E and C through TMA descriptors (Hopper+, 16-bit, aligned
+    rows; the copy engine's zero fill replaces the masks). ``fwd_flat`` / ``bwd_flat`` (with
+    descriptors): one flat loop over (tile, H step), so the next tile's loads overlap a tile's
+    epilogue; ``bwd_flat`` also makes the dlogits programs persistent.
+    """
+
+    fwd_block_n: int = 128
+    fwd_block_v: int = 256
+    fwd_block_h: int = 64
+    fwd_group_n: int = 16
+    fwd_warps: int = 8
+    fwd_stages: int = 3
+    split: int = 0
+    bwd_block_n: int = 128
+    bwd_block_v: int = 256
+    bwd_block_h: int = 64
+    bwd_group_n: int = 8
+    bwd_warps: int = 8
+    bwd_stages: int = 3
+    mm_block_m: int = 128
+    mm_block_n: int = 128  # 256 spills in the fp32 read-modify-write epilogue of dE
+    mm_block_k: int = 64
+    mm_group_m: int = 8
+    mm_warps: int = 8
+    mm_stages: int = 4
+    chunk_bytes: int = 128 * 1024 * 1024
+    matmul: str = "torch"
+    grad_in_forward: str = "never"
+    gif_rows: int = 4096
+    gif_max_bytes: int = 1 << 30
+    row_block: int = 2048
+    row_warps: int = 8
+    fwd_desc: bool = False
+    bwd_desc: bool = False
+    fwd_flat: bool = False
+    bwd_flat: bool = False
+
+    def replace(self, **kw) -> "LCEConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# TMA descriptors and the flat forward loop: a faster forward and step (docs/design.md, "Hopper");
+# the flat dlogits loop measured no gain (docs/tried.md), so it stays off.
+HOPPER_CONFIG = LCEConfig(fwd_desc=True, bwd_desc=True, fwd_flat=True)
+# Pre-Hopper GPUs (supported, not tuned on hardware): smaller tiles, deeper pipelines.
+AMPERE_CONFIG = LCEConfig(
+    fwd_block_n=128, fwd_block_v=128, fwd_block_h=32, fwd_warps=8, fwd_stages=4,
+    bwd_block_n=128, bwd_block_v=128, bwd_block_h=32, bwd_warps=8, bwd_stages=4,
+    mm_block_m=128, mm_block_n=128, mm_block_k=32, mm_warps=8, mm_stages=4,
+)
+# The interpreter runs tiles through numpy: small tiles keep the CPU tests quick.
+INTERPRET_CONFIG = LCEConfig(
+    fwd_block_n=16, fwd_block_v=32, fwd_block_h=16, fwd_group_n=2, fwd_warps=4, fwd_stages=1,
+    split=2,
+    bwd_block_n=16, bwd_block_v=32, bwd_block_h=16, bwd_group_n=2, bwd_warps=4, bwd_stages=1,
+    mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
+    chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
+    matmul="triton",
+    gif_rows=16, row_block=16, row_warps=4,
+)
+
+#: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and tests do this, here
+#: in this module: ``default_config`` reads it from here).
+OVERRIDE_CONFIG: Optional[LCEConfig] = None
+
+
+def default_config(device: torch.device) -> LCEConfig:
+    """The configuration a call on ``device`` uses: ``OVERRIDE_CONFIG`` or the device's table,
+    with the fields of ``VPL_LCE_CONFIG`` applied on top."""
+    if OVERRIDE_CONFIG is not None:
+        cfg = OVERRIDE_CONFIG
+    elif device.type != "cuda" or settings.interpreting():
+        cfg = INTERPRET_CONFIG
+    else:
+        major, _ = torch.cuda.get_device_capability(device)
+        cfg = HOPPER_CONFIG if major >= 9 else AMPERE_CONFIG
+    overrides = settings.lce_config_overrides()
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    return cfg

@@ -1,0 +1,443 @@
+"""The fused ``tl.dot`` kernels of the linear cross entropy and their host launchers.
+
+Notation: ``e`` is ``(N, H)`` hidden states, ``c`` is ``(V, H)`` this rank's classifier rows
+(``V`` = local vocabulary), ``z = e @ c.T (+ bias)`` the raw logits, ``x = softcap * tanh(z /
+softcap)`` (or ``x = z``) the logits the loss sees. Every accumulation is fp32 and in a fixed
+order (deterministic, no atomics); all row and column offsets are int64.
+
+``_lce_fwd_kernel`` (2NHV flops; ``forward_stats``)
+    One program per (row block, vocabulary split). It walks its vocabulary tiles, computes each
+    ``BLOCK_N x BLOCK_V`` logits tile with ``tl.dot`` (fp32 accumulator, K loop over H) and
+    folds it into online per-row statistics: max ``m``, ``s = sum exp(x - m)``, the target logit
+    (0 when the target is not in this split) and the sum of logits (label smoothing). The
+    ``(SPLIT, 4, N)`` partial statistics are merged on the host (``formulas.merge_partial_stats``).
+    The ``(N, V)`` logits are never stored.
+
+``_lce_dlogits_kernel`` (2 N H Vc flops per vocabulary chunk; ``backward``)
+    Recomputes a chunk of ``Vc`` logit columns tile by tile and writes
+    ``dz = (gp * softmax - gt * onehot - gc) * dx/dz`` in the input dtype into a ``(N, Vc)``
+    buffer, plus per-row-block column sums for the bias gradient (fp32). ``gp, gt, gc`` are
+    per-row coefficients prepared by the caller (they carry the upstream gradient, the
+    reduction, label smoothing and z-loss), so no loss option is a constexpr. Per chunk,
+    ``gemm.py`` then forms ``dE (+)= dz @ c_chunk`` (fp32) and ``dC_chunk = dz.T @ e``.
+
+Backward therefore costs 6NHV on top of the forward's 2NHV (8NHV in all) and keeps extra memory
+at ``N * Vc`` elements (the chunk) plus the fp32 ``(N, H)`` dE accumulator, independent of V.
+Every ``dC`` row is produced by exactly one GEMM over all N rows: it is rounded once. ``dE`` is
+summed over the chunks in fp32 and rounded once by the caller (after the TP all-reduce).
+
+On Hopper (16-bit inputs, 16-byte aligned rows) both kernels can read E and C through TMA
+descriptors, whose zero fill past the ends replaces the masks (``LCEConfig.fwd_desc`` /
+``bwd_desc``), and run one flat loop over (vocabulary tile, H step) so the next tile's loads
+overlap a tile's epilogue (``fwd_flat`` / ``bwd_flat``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import settings
+from ...formulas import merge_partial_stats
+from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
+from .common import check_tiles, dot_precision, tanh, upcast
+from .config import LCEConfig, default_config
+from .gemm import gemm_acc, gemm_store
+
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton
+    TensorDescriptor = None
+
+
+@triton.jit
+def _grouped_tile(pid, num_rb, n_inner, GROUP_N: tl.constexpr):
+    """(row block, inner index) of program ``pid`` in grouped order: consecutive programs cover
+    GROUP_N row blocks x the ``n_inner`` vocabulary tiles or splits, so the programs in flight
+    share E row blocks and C tiles through L2."""
+    width = GROUP_N * n_inner
+    first_rb = (pid // width) * GROUP_N
+    gsize = tl.minimum(num_rb - first_rb, GROUP_N)
+    return first_rb + (pid % width) % gsize, (pid % width) // gsize
+
+
+@triton.jit
+def _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc += E[row0:, h0:] @ C[col0:, h0:].T`` for one H step, through TMA descriptors."""
+    a = E.load([row0, h0])
+    b = C.load([col0, h0])
+    if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, stride_cv,
+                 stride_ch, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                 BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                 DESC: tl.constexpr):
+    """fp32 ``E[rows] @ C[cols].T``; ``rows_ld`` / ``cols_ld`` are in range (callers wrap them).
+
+    With ``DESC`` E and C are TMA tensor descriptors of ``[BLOCK_N | BLOCK_V, BLOCK_H]`` blocks
+    and the tile starts at ``(row0, col0)``: the copy engine fills rows, columns and H past the
+    end with zeros, so no masks and no per-element addresses (``rows_ld`` etc. are unused).
+    """
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    if DESC:
+        for h0 in range(0, H, BLOCK_H):
+            acc = _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC, UPCAST)
+    else:  # (an else, not an early return: Triton compiles what follows a return in a branch)
+        offs_h = tl.arange(0, BLOCK_H)
+        e_ptrs = (E + rows_ld.to(tl.int64)[:, None] * stride_en
+                  + offs_h[None, :].to(tl.int64) * stride_eh)
+        c_ptrs = (C + cols_ld.to(tl.int64)[None, :] * stride_cv
+                  + offs_h[:, None].to(tl.int64) * stride_ch)
+        for h0 in range(0, H, BLOCK_H):
+            if EVEN_H:
+                a = tl.load(e_ptrs)
+                b = tl.load(c_ptrs)
+            else:
+                hm = (h0 + offs_h) < H
+                a = tl.load(e_ptrs, mask=hm[None, :], other=0.0)
+                b = tl.load(c_ptrs, mask=hm[:, None], other=0.0)
+            if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            e_ptrs += BLOCK_H * stride_eh
+            c_ptrs += BLOCK_H * stride_ch
+    return acc
+
+
+@triton.jit
+def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Fold the fp32 logits tile ``x`` of vocabulary tile ``vt`` into the online statistics."""
+    cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    if HAS_BIAS:
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        x += b[None, :]
+    if HAS_SOFTCAP:
+        x = softcap * tanh(x / softcap)
+    # one live tile at a time (128x256 fp32 is half the register file): reuse x in place
+    # and let every other tile be a temporary consumed by its reduction
+    tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
+    if NEED_SUMX:
+        sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
+    x = tl.where(col_mask[None, :], x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+    return m_new, s, tg, sx
+
+
+@triton.jit
+def _lce_fwd_kernel(
+    E, C, BIAS, TGT, STATS,
+    N, V, H,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t,
+    v_offset, softcap, tiles_per_split, n_splits,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
+    EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
+    (tile, H step) that folds a tile into the statistics after its last step, so that the
+    software pipeline keeps loading the next tile's operands during that epilogue."""
+    rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
+
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows_ld = tl.where(row_mask, rows, 0)
+    t = tl.load(TGT + rows_ld.to(tl.int64) * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+
+    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    s = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tg = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    sx = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    num_vt = tl.cdiv(V, BLOCK_V)
+    t_begin = split * tiles_per_split
+    t_end = tl.minimum(num_vt, t_begin + tiles_per_split)
+    if FLAT:
+        num_k = tl.cdiv(H, BLOCK_H)
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in range(0, (t_end - t_begin) * num_k):
+            vt = t_begin + it // num_k
+            kk = it - (vt - t_begin) * num_k
+            acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
+                                 DOT_PREC, UPCAST)
+            if kk == num_k - 1:
+                m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                          HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    else:
+        for vt in range(t_begin, t_end):
+            cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+            cols_ld = tl.where(cols < V, cols, 0)
+            x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
+                             stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
+                             DOT_PREC, UPCAST, DESC)
+            m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                      HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+
+    base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
+    tl.store(base, m, mask=row_mask)
+    tl.store(base + N, s, mask=row_mask)
+    tl.store(base + 2 * N, tg, mask=row_mask)
+    tl.store(base + 3 * N, sx, mask=row_mask)
+
+
+@triton.jit
+def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
+                      stride_dn, stride_db, v_offset, softcap, HAS_BIAS: tl.constexpr,
+                      HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """dz of the fp32 logits tile ``z`` (row block ``rb``, chunk column block ``cb``) into D,
+    and its column sums into the bias gradient's per-row-block partials."""
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rows_ld = tl.where(row_mask, rows, 0)
+    ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)  # column inside the chunk
+    col_mask = ccols < n_cols
+    cols = v_start + ccols  # local vocabulary column
+    if HAS_BIAS:
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        z += b[None, :]
+
+    if HAS_SOFTCAP:
+        th = tanh(z / softcap)
+        x = softcap * th
+    else:
+        x = z
+
+    r64 = rows_ld.to(tl.int64)
+    lse = tl.load(COEF + r64)
+    gp = tl.load(COEF + N + r64)
+    gt = tl.load(COEF + 2 * N + r64)
+    gc = tl.load(COEF + 3 * N + r64)
+    t = tl.load(TGT + r64 * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+    onehot = cols[None, :] == t_local[:, None]
+    dx = gp[:, None] * tl.exp(x - lse[:, None]) - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
+    if HAS_SOFTCAP:
+        dx = dx * (1.0 - th * th)
+    mask = row_mask[:, None] & col_mask[None, :]
+    dx = tl.where(mask, dx, 0.0)
+    d_ptrs = D + rows.to(tl.int64)[:, None] * stride_dn + ccols[None, :].to(tl.int64)
+    tl.store(d_ptrs, dx.to(D.dtype.element_ty), mask=mask)
+    if HAS_BIAS:
+        tl.store(DB + rb.to(tl.int64) * stride_db + ccols.to(tl.int64), tl.sum(dx, axis=0),
+                 mask=col_mask)
+
+
+@triton.jit
+def _lce_dlogits_kernel(
+    E, C, BIAS, TGT, COEF, D, DB,
+    N, V, H, v_start, n_cols,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db,
+    v_offset, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
+    FLAT: tl.constexpr,
+):
+    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
+
+    COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
+    One program per tile, or with ``FLAT`` (``DESC`` only) persistent programs that take tiles
+    ``pid, pid + P, ...`` in one loop over (tile, H step), writing a tile after its last step:
+    the software pipeline then loads the next tile's operands during that epilogue.
+    """
+    num_rb = tl.cdiv(N, BLOCK_N)
+    num_cb = tl.cdiv(n_cols, BLOCK_V)
+    if FLAT:
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        num_k = tl.cdiv(H, BLOCK_H)
+        my_tiles = tl.cdiv(num_rb * num_cb - pid, nprog)
+        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        for it in range(0, my_tiles * num_k):
+            j = it // num_k
+            kk = it - j * num_k
+            rb, cb = _grouped_tile(pid + j * nprog, num_rb, num_cb, GROUP_N)
+            acc = _desc_dot_step(E, C, rb * BLOCK_N, v_start + cb * BLOCK_V, kk * BLOCK_H, acc,
+                                 DOT_PREC, UPCAST)
+            if kk == num_k - 1:
+                _dlogits_tile_out(acc, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols,
+                                  stride_t, stride_dn, stride_db, v_offset, softcap, HAS_BIAS,
+                                  HAS_SOFTCAP, BLOCK_N, BLOCK_V)
+                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    else:
+        rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
+        rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_ld = tl.where(rows < N, rows, 0)
+        ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)
+        cols_ld = tl.where(ccols < n_cols, v_start + ccols, 0)
+        z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
+                         stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
+                         BLOCK_H, DOT_PREC, UPCAST, DESC)
+        _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
+                          stride_dn, stride_db, v_offset, softcap, HAS_BIAS, HAS_SOFTCAP,
+                          BLOCK_N, BLOCK_V)
+
+
+def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
+    """Whether E and C can be read through TMA descriptors: Hopper or newer (or the
+    interpreter), Triton's host-side descriptors, a unit last stride and 16-byte aligned base
+    and row stride (what the copy engine requires). 16-bit inputs only: fp32 tiles feed no
+    tensor-core dot, and three stages of them would not fit in shared memory."""
+    if TensorDescriptor is None or e.element_size() != 2:
+        return False
+    if not settings.interpreting():
+        if e.device.type != "cuda" or torch.cuda.get_device_capability(e.device)[0] < 9:
+            return False
+    for t in (e, c):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    return True
+
+
+def _operands(e, c, block_n: int, block_v: int, block_h: int, desc: bool):
+    if not desc:
+        return e, c
+    return (TensorDescriptor.from_tensor(e, [block_n, block_h]),
+            TensorDescriptor.from_tensor(c, [block_v, block_h]))
+
+
+def _forward_splits(num_rb: int, num_vt: int, sms: int) -> int:
+    """Vocabulary splits per row block for the forward's grid of ``num_rb x splits`` programs.
+
+    At most ~32 row blocks in flight (``splits >= sms / 32``), so that their E rows (1 MiB each
+    at 128 x 4096 bf16) and the splits' C tiles stay in L2, and at least one program per
+    multiprocessor. Within 4x that, the count with the shortest estimated run: waves times
+    tiles per program, plus half a tile per program for its pipeline fill and epilogue. The
+    programs are of equal length, so a last wave that is mostly idle costs a whole program:
+    at 128 row blocks, 63 tiles and 132 multiprocessors, 5 splits run 5 waves of 13 tiles and 7
+    splits 7 waves of 9 (65 against 63 tile times).
+    """
+    lo = min(num_vt, max(1, triton.cdiv(sms, 32), triton.cdiv(sms, num_rb)))
+    best, best_cost = lo, None
+    for s in range(lo, min(num_vt, 4 * lo) + 1):
+        tiles = triton.cdiv(num_vt, s)
+        waves = triton.cdiv(num_rb * triton.cdiv(num_vt, tiles), sms)
+        cost = waves * (tiles + 0.5)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device):
+    """The forward's vocabulary splits per row block and tiles per split (every split
+    non-empty): ``cfg.split``, or ``_forward_splits``' choice when it is 0."""
+    num_rb, num_vt = triton.cdiv(N, cfg.fwd_block_n), triton.cdiv(V, cfg.fwd_block_v)
+    tiles = triton.cdiv(num_vt, cfg.split or _forward_splits(num_rb, num_vt, multiprocessors(device)))
+    return triton.cdiv(num_vt, tiles), tiles
+
+
+def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                  targets: torch.Tensor, v_offset: int, softcap: Optional[float],
+                  need_sumx: bool, config: Optional[LCEConfig] = None) -> torch.Tensor:
+    """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
+
+    ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
+    of this shard); a target outside this shard contributes 0 to the target logit.
+    """
+    cfg = config or default_config(e.device)
+    N, H = e.shape
+    V = c.shape[0]
+    stats = torch.empty((4, N), dtype=torch.float32, device=e.device)
+    if N == 0:
+        return stats
+    BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
+    check_tiles(BN, BV, BH)
+    num_rb = triton.cdiv(N, BN)
+    split, tiles_per_split = forward_split(N, V, cfg, e.device)
+    part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
+    grid = (num_rb * split,)
+    desc = cfg.fwd_desc and _descriptors_ok(e, c)
+    ea, ca = _operands(e, c, BN, BV, BH, desc)
+    _lce_fwd_kernel[grid](
+        ea, ca, bias if bias is not None else e, targets, part,
+        N, V, H,
+        e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
+        v_offset, float(softcap) if softcap else 1.0, tiles_per_split, split,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
+        EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
+        DOT_PREC=dot_precision(e.dtype), UPCAST=upcast(e.dtype), DESC=desc,
+        FLAT=desc and cfg.fwd_flat, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
+        **PINNED,
+    )
+    if split == 1:
+        return stats
+    return torch.stack(merge_partial_stats(part))
+
+
+def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+             targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
+             softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
+             config: Optional[LCEConfig] = None):
+    """Gradients of ``sum_n [gp_n * lse_n - gt_n * x_{n,t_n} - gc_n * sum_j x_{n,j}]``.
+
+    ``coef (4, N)`` fp32 rows: lse, gp, gt, gc. Returns ``(dE fp32 (N, H) or None,
+    dC in c.dtype (V, H) or None, dbias fp32 (V,) or None)``.
+    """
+    cfg = config or default_config(e.device)
+    N, H = e.shape
+    V = c.shape[0]
+    dev = e.device
+    # dE is written by its first chunk's GEMM (V >= 1, checked by the caller)
+    de = torch.empty((N, H), dtype=torch.float32, device=dev) if need_de else None
+    dc = torch.empty_like(c, memory_format=torch.contiguous_format) if need_dc else None
+    db = torch.empty((V,), dtype=torch.float32, device=dev) if need_dbias else None
+    if N == 0:
+        if dc is not None:
+            dc.zero_()
+        if db is not None:
+            db.zero_()
+        return de, dc, db
+    if not (need_de or need_dc or need_dbias):
+        return de, dc, db
+    BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h
+    check_tiles(BN, BV, BH)
+    # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes.
+    per_col = N * e.element_size()
+    vc = max(BV, (cfg.chunk_bytes // max(per_col, 1)) // BV * BV)
+    vc = min(vc, triton.cdiv(V, BV) * BV)
+    d = torch.empty((N, vc), dtype=e.dtype, device=dev)
+    num_rb = triton.cdiv(N, BN)
+    db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
+    dot_prec = dot_precision(e.dtype)
+    desc = cfg.bwd_desc and _descriptors_ok(e, c)
+    ea, ca = _operands(e, c, BN, BV, BH, desc)
+    flat = desc and cfg.bwd_flat
+    for v0 in range(0, V, vc):
+        nc = min(vc, V - v0)
+        tiles = num_rb * triton.cdiv(nc, BV)
+        # flat: persistent programs, one per multiprocessor (each holds ~180 KB of shared
+        # memory on sm_90, so a second would not fit anyway)
+        grid = (min(tiles, multiprocessors(dev)) if flat else tiles,)
+        _lce_dlogits_kernel[grid](
+            ea, ca, bias if bias is not None else e, targets, coef, d,
+            db_part if db_part is not None else coef,
+            N, V, H, v0, nc,
+            e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,
+            v_offset, float(softcap) if softcap else 1.0,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+            EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
+            DOT_PREC=dot_prec, UPCAST=upcast(e.dtype), DESC=desc, FLAT=flat,
+            num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **PINNED,
+        )
+        dz = d[:, :nc]
+        if need_de:
+            # the first chunk stores: no zero-fill and one read fewer of the fp32 (N, H) dE
+            (gemm_store if v0 == 0 else gemm_acc)(de, dz, c[v0:v0 + nc], cfg)
+        if need_dc:  # dC_chunk = dz.T @ e, rounded once
+            gemm_store(dc[v0:v0 + nc], dz.t(), e, cfg)
+        if need_dbias:
+            db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
+    return de, dc, db
