@@ -15,8 +15,9 @@ from .reference import logits as torch_logits
 try:  # Triton is optional at import time: the PyTorch backends cover its absence
     from .kernels import linear as triton_linear
     from .kernels import logits as triton_logits
+    from .kernels import logprobs as triton_logprobs
 except Exception:  # pragma: no cover - depends on the platform
-    triton_linear = triton_logits = None
+    triton_linear = triton_logits = triton_logprobs = None
 
 #: ``impl`` values of the fused linear loss
 IMPLS = ("auto", "triton", "torch")

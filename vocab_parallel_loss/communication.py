@@ -140,3 +140,39 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
                       device=tensor.device)
     _reduce_scatter(out, tensor, op=dist.ReduceOp.SUM, group=group)
     return out
+
+
+_vocab_of_ranges: dict = {}
+
+
+def vocab_size_of_ranges(start: int, stop: int, group: ProcessGroup, device) -> int:
+    """The global vocabulary size when each rank of ``group`` holds ids ``[start, stop)``.
+
+    The ranges must tile ``[0, V)`` in rank order, without gaps or overlaps (else
+    ``ValueError``). One tiny all-gather and a host read, once per (group, range) on each rank;
+    a CUDA-graph capture or a ``torch.compile`` trace needs an eager call with the same range
+    first.
+    """
+    n = world_size(group)
+    if n == 1:
+        if start != 0:
+            raise ValueError(f"vocab_range must start at 0 without tensor parallelism, got "
+                             f"({start}, {stop})")
+        return stop
+    key = (id(group), start, stop)
+    if key in _vocab_of_ranges:
+        return _vocab_of_ranges[key]
+    if capturing() or compiling():
+        raise RuntimeError("vocab_range: call once eagerly with this range before capturing or "
+                           "compiling (the ranks' ranges are checked with a collective)")
+    mine = torch.tensor([start, stop], dtype=torch.int64, device=device)
+    ranges = torch.empty(2 * n, dtype=torch.int64, device=device)
+    _all_gather(ranges, mine, group=group)
+    pairs = ranges.view(n, 2).tolist()
+    expected = 0
+    for lo, hi in pairs:
+        if lo != expected:
+            raise ValueError(f"vocab_range of the ranks must tile [0, V) in rank order, got {pairs}")
+        expected = hi
+    _vocab_of_ranges[key] = expected
+    return expected

@@ -54,3 +54,33 @@ def token_loss(target, lse, x_t, sum_x, vocab_size: int, ignore_index: int, smoo
     loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
     loss = torch.where(ignored, torch.zeros_like(loss), loss)
     return loss, ignored, bad
+
+
+def merge_logprob_stats(parts: torch.Tensor):
+    """Merge ``(S, 5, N)`` log-prob statistics of ``S`` disjoint column ranges in column order
+    (``kernels/logprobs.py``: max ``m``, ``s = sum exp(x - m)``, ``w = sum exp(x - m) (x - m)``,
+    target logit, column of the max) into the same five rows for the union of the ranges.
+
+    ``w`` is carried relative to the max, so the entropy ``log s - w / s`` of a row with a large
+    common offset loses nothing to cancellation. Ties of the max keep the first range's column.
+    """
+    if parts.shape[0] == 1:
+        return tuple(parts[0])
+    m_r, s_r, w_r = parts[:, 0], parts[:, 1], parts[:, 2]
+    m = m_r.amax(dim=0)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    alpha = torch.exp(m_r - m_safe)
+    gap = torch.where(s_r > 0, (m_r - m_safe) * s_r, torch.zeros_like(s_r))
+    s = (alpha * s_r).sum(dim=0)
+    w = (alpha * (w_r + gap)).sum(dim=0)
+    first = torch.argmax((m_r == m).to(torch.float32), dim=0)  # the first range holding the max
+    col = parts[:, 4].gather(0, first[None])[0]
+    m = torch.where(torch.isnan(s), s, m)
+    return m, s, w, parts[:, 3].sum(dim=0), col
+
+
+def logprob_and_entropy(m, s, w, x_t):
+    """``(log p_t, entropy, lse)`` from merged statistics: ``log p_t = (x_t - m) - log s`` and
+    ``H = log s - w / s`` keep full precision when every logit carries a large offset."""
+    log_s = torch.log(s)
+    return (x_t - m) - log_s, log_s - w / s, m + log_s

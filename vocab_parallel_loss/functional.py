@@ -1,8 +1,10 @@
-"""The public loss functions: ``cross_entropy`` over vocabulary-sharded logits and
-``linear_cross_entropy`` from hidden states and classifier rows."""
+"""The public functions: the losses ``cross_entropy`` (over vocabulary-sharded logits) and
+``linear_cross_entropy`` (from hidden states and classifier rows), and the per-token
+log-probabilities and entropy ``token_logprobs`` / ``linear_token_logprobs``."""
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -10,6 +12,8 @@ import torch
 from . import backends, checks, communication, settings
 from .autograd import linear as linear_autograd
 from .autograd import logits as logits_autograd
+from .autograd import logprobs as logprobs_autograd
+from .reference import logprobs as torch_logprobs
 from .backends import IMPLS
 
 
@@ -139,3 +143,161 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
     checks.check_leading_shape(
         "leading dims of e" + (" (gathered over the TP group)" if sequence_parallel else ""),
         torch.Size(lead), targets)
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    tp_group=None,
+    temperature=1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    vocab_range: Optional[tuple] = None,
+) -> "logprobs_autograd.TokenLogprobs":
+    """Per-token log-probability of ``target`` (and optionally the entropy and the argmax) under
+    ``softmax(logits / temperature)`` over the full vocabulary, from this rank's vocabulary shard.
+
+    ``logits`` is ``(..., V_local)`` with any strides; ``target`` its leading shape (any integer
+    dtype). ``temperature``: a float > 0 or a float tensor of ``target``'s shape (not
+    differentiated). ``vocab_range=(start, stop)``: this rank's columns hold global ids
+    ``[start, start + V_local)``, of which ``[start, stop)`` are vocabulary and the rest padding
+    (ranks may hold different counts); by default rank ``r`` holds ``[r V_local, (r+1) V_local)``.
+    Returns ``TokenLogprobs(log_probs, entropy, argmax)`` shaped like ``target``: fp32 (float64
+    for float64 logits), ``entropy``/``argmax`` None unless asked for. Ignored tokens get 0
+    (argmax is still given); a target outside the vocabulary gets a NaN log-prob. Both float
+    outputs are differentiable, each with its own upstream gradient.
+    """
+    checks.check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty vocabulary dim, got {tuple(logits.shape)}")
+    t = _flat_targets(target, logits.shape[:-1], logits.device)
+    o = _logprob_options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
+                         _rows_backend(backends.triton_runs(logits), logits.dtype),
+                         logits.device)
+    inv_t = _inverse_temperature(temperature, target, logits)
+    lp, ent, col = logprobs_autograd.from_logits(logits, t, inv_t, o)
+    return _shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
+
+
+def linear_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    *,
+    tp_group=None,
+    sequence_parallel: bool = False,
+    temperature=1.0,
+    ignore_index: int = -100,
+    return_entropy: bool = False,
+    return_argmax: bool = False,
+    vocab_range: Optional[tuple] = None,
+    softcap: Optional[float] = None,
+    logit_scale: float = 1.0,
+    impl: str = "auto",
+) -> "logprobs_autograd.TokenLogprobs":
+    """``token_logprobs`` of the logits ``cap(logit_scale * (hidden @ weight.T + bias))``
+    without materializing them: the logits exist one fp32 column chunk at a time.
+
+    ``hidden`` is ``(..., H)``; with ``sequence_parallel=True`` this rank's shard of dim 0
+    (Megatron's ``[s/tp, b, h]``), gathered over ``tp_group`` inside, its gradient
+    reduce-scattered back. ``weight`` is this rank's ``(V_local, H)`` rows, ``target`` has the
+    (gathered) leading shape of ``hidden``. ``softcap`` applies ``softcap * tanh(y / softcap)``.
+    The gradient of ``weight`` (and ``bias``) is this rank's slice, rounded once; the gradient of
+    ``hidden`` is summed over the group in fp32 and rounded once. ``impl``: ``"triton"``,
+    ``"torch"`` or ``"auto"``.
+    """
+    checks.check_float("hidden", hidden)
+    checks.check_float("weight", weight)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., H) and weight (V_local, H) disagree: {tuple(hidden.shape)}"
+                         f" and {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError("hidden, weight and bias must have one dtype")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be (V_local,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap}")
+    if not (math.isfinite(float(logit_scale)) and float(logit_scale) != 0):
+        raise ValueError(f"logit_scale must be a finite non-zero float, got {logit_scale}")
+    sp = bool(sequence_parallel) and communication.world_size(tp_group) > 1
+    lead = list(hidden.shape[:-1])
+    if sp:
+        lead[0] *= communication.world_size(tp_group)
+    t = _flat_targets(target, torch.Size(lead), hidden.device)
+    kernels = impl != "torch" and hidden.dtype != torch.float64 and backends.triton_runs(hidden)
+    if impl == "triton" and not kernels:
+        raise ValueError("impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of "
+                         "fp32, bf16 or fp16; use impl='torch' or 'auto'")
+    o = _logprob_options(tp_group, weight.shape[0], vocab_range, ignore_index,
+                         float(logit_scale), None if softcap is None else float(softcap),
+                         _rows_backend(kernels, hidden.dtype), hidden.device)
+    inv_t = _inverse_temperature(temperature, target, hidden)
+    gemm = backends.triton_logprobs.KernelGemm if kernels else torch_logprobs.TorchGemm
+    lp, ent, col = logprobs_autograd.from_hidden(hidden, weight, bias, t, inv_t, o, sp, gemm)
+    return _shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
+
+
+def _flat_targets(target, lead, device):
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
+        raise TypeError(f"target must be an integer tensor, got "
+                        f"{getattr(target, 'dtype', type(target))}")
+    if tuple(target.shape) != tuple(lead):
+        raise ValueError(f"target shape {tuple(target.shape)} does not match the leading dims "
+                         f"{tuple(lead)}")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device}, the inputs on {device}")
+    return target.reshape(-1).to(torch.int64)  # any integer dtype compares exactly as int64
+
+
+def _rows_backend(kernels: bool, dtype):
+    if kernels and dtype != torch.float64 and backends.triton_logprobs is not None:
+        return backends.triton_logprobs
+    return torch_logprobs
+
+
+def _logprob_options(group, v_local, vocab_range, ignore_index, scale, softcap, rows, device):
+    if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    world = communication.world_size(group)
+    if vocab_range is None:
+        communication.check_equal_shards(v_local, group, device)
+        start, valid, vocab = communication.rank(group) * v_local, v_local, world * v_local
+    else:
+        start, stop = (int(x) for x in vocab_range)
+        if not 0 <= start <= stop <= start + v_local:
+            raise ValueError(f"vocab_range must be (start, stop) with 0 <= start <= stop <= start"
+                             f" + V_local ({v_local}), got {tuple(vocab_range)}")
+        start, valid = start, stop - start
+        vocab = communication.vocab_size_of_ranges(start, stop, group, device)
+    return logprobs_autograd.Options(group, start, valid, int(ignore_index), vocab, scale,
+                                     softcap, rows)
+
+
+def _inverse_temperature(temperature, target, like):
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if isinstance(temperature, torch.Tensor):
+        if temperature.requires_grad and torch.is_grad_enabled():
+            raise ValueError("temperature is not differentiated: pass it detached")
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
+        if temperature.numel() == 1 and temperature.dim() == 0:
+            return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(1)
+        if tuple(temperature.shape) != tuple(target.shape):
+            raise ValueError(f"a temperature tensor must have the target's shape "
+                             f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
+        return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(-1).contiguous()
+    value = float(temperature)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device)
+
+
+def _shaped(lp, ent, col, shape, return_entropy, return_argmax):
+    return logprobs_autograd.TokenLogprobs(
+        lp.view(shape), ent.view(shape) if return_entropy else None,
+        col.view(shape) if return_argmax else None)

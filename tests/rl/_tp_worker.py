@@ -1,0 +1,115 @@
+"""torchrun worker: log-probs and entropy on vocabulary shards vs the full-vocabulary fp64 oracle.
+
+Every rank builds the same full inputs (fixed seed) and keeps its shard: the outputs must be the
+full-vocabulary values, bitwise equal on every rank; the logits' (and weight's) gradient is its
+slice of the full gradient, the hidden states' the full one (or its sequence slice). Cases: equal
+shards, unequal shards through ``vocab_range`` (the last rank's shard padded), sequence
+parallelism. Prints ``N log-prob cases passed on W ranks``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests._torchrun import init_worker_process_group
+from tests.rl._oracle import oracle
+from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
+
+
+def same_on_every_rank(t):
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, t.contiguous())
+    assert all(torch.equal(torch.nan_to_num(g, 7.0), torch.nan_to_num(t, 7.0)) for g in got)
+
+
+def close(name, got, want, tol=2e-5):
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), f"{name}: max err {err:.3g}"
+
+
+def shards(vocab, world, rank, unequal):
+    """(start, stop, width) of this rank: equal widths, or widths 1 apart with the last padded."""
+    if not unequal:
+        w = vocab // world
+        return rank * w, (rank + 1) * w, w
+    width = -(-vocab // world)
+    start = min(vocab, rank * width)
+    return start, min(vocab, start + width), width
+
+
+def case_logits(unequal, per_token_t):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab = 10 * world + (3 if unequal else 0)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 3, vocab, generator=g, dtype=torch.float64) * 2
+    t = torch.randint(0, vocab, (4, 3), generator=g)
+    t[1, 2] = -100
+    temp = torch.rand(4, 3, generator=g, dtype=torch.float64) + 0.5 if per_token_t else 1.3
+    g_lp, g_ent = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    start, stop, width = shards(vocab, world, rank, unequal)
+    local = torch.full((4, 3, width), -1e30)
+    local[..., :stop - start] = z[..., start:stop].float()
+    local = local.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # [b, s, v] view
+    out = token_logprobs(local, t, tp_group=dist.group.WORLD, return_entropy=True,
+                         return_argmax=True, temperature=temp.float() if per_token_t else temp,
+                         vocab_range=(start, stop) if unequal else None)
+    for x in out:
+        same_on_every_rank(x)
+    z64 = z.clone().requires_grad_()
+    lp, ent, am = oracle(z64, t, temp)
+    close("log_probs", out.log_probs, lp.detach())
+    close("entropy", out.entropy, ent.detach())
+    assert torch.equal(out.argmax, am)
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    close("dlogits", local.grad[..., :stop - start], z64.grad[..., start:stop])
+    assert torch.all(local.grad[..., stop - start:] == 0)
+
+
+def case_hidden(sp):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s, b, h, v_local = 2 * world, 3, 8, 7
+    g = torch.Generator().manual_seed(6)
+    e = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    c = torch.randn(v_local * world, h, generator=g, dtype=torch.float64) * 0.5
+    t = torch.randint(0, v_local * world, (s, b), generator=g)
+    t[0, 0] = -100
+    g_lp, g_ent = torch.randn(s, b, generator=g), torch.randn(s, b, generator=g)
+    rows = slice(rank * (s // world), (rank + 1) * (s // world))
+    e_mine = (e[rows] if sp else e).float().requires_grad_()
+    c_mine = c[rank * v_local:(rank + 1) * v_local].float().requires_grad_()
+    out = linear_token_logprobs(e_mine, c_mine, t, tp_group=dist.group.WORLD,
+                                sequence_parallel=sp, temperature=0.8, return_entropy=True)
+    same_on_every_rank(out.log_probs)
+    e64, c64 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    lp, ent, _ = oracle(e64 @ c64.t(), t, 0.8)
+    close("log_probs", out.log_probs, lp.detach())
+    close("entropy", out.entropy, ent.detach())
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    close("dE", e_mine.grad, e64.grad[rows] if sp else e64.grad, 1e-4)
+    close("dC", c_mine.grad, c64.grad[rank * v_local:(rank + 1) * v_local], 1e-4)
+
+
+def main():
+    init_worker_process_group()
+    n = 0
+    for impl in sys.argv[1].split(","):
+        backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+        for unequal in (False, True):
+            for per_token_t in (False, True):
+                case_logits(unequal, per_token_t)
+                n += 1
+        for sp in (False, True):
+            case_hidden(sp)
+            n += 1
+    if dist.get_rank() == 0:
+        print(f"{n} log-prob cases passed on {dist.get_world_size()} ranks")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""Per-token log-probs and entropy (over logits and from hidden states) against the fp64 oracle,
+on both backends: values and gradients under random upstream gradients."""
+
+import pytest
+import torch
+
+from tests.rl._oracle import oracle
+from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
+from vocab_parallel_loss.settings import interpreting
+from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_entropy
+
+
+@pytest.fixture(params=["triton", "torch"])
+def impl(request, monkeypatch):
+    if request.param == "triton":
+        if backends.triton_logprobs is None or not (torch.cuda.is_available() or interpreting()):
+            pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
+        monkeypatch.setattr(backends, "triton_runs", lambda t: True)
+    else:
+        monkeypatch.setattr(backends, "triton_runs", lambda t: False)
+    return request.param
+
+
+def _grads(outputs, inputs, g_lp, g_ent):
+    lp, ent = outputs
+    return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), inputs)
+
+
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("per_token_t", [False, True])
+def test_from_logits_matches_oracle(impl, dtype, per_token_t):
+    g = torch.Generator().manual_seed(1)
+    z = (torch.randn(3, 5, 37, generator=g) * 3).to(dtype)
+    z = z.transpose(0, 1).requires_grad_()  # a strided [s, b, v] view
+    t = torch.randint(0, 37, (5, 3), generator=g)
+    t[0, 1] = -100
+    temp = torch.rand(5, 3, generator=g) + 0.5 if per_token_t else 0.7
+    out = token_logprobs(z, t, temperature=temp, return_entropy=True, return_argmax=True)
+    lp, ent, am = oracle(z.detach(), t, temp)
+    tol = TOL[dtype]
+    assert out.log_probs.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=tol * 10, rtol=tol)
+    assert torch.equal(out.argmax, am)
+    g_lp, g_ent = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    (got,) = _grads((out.log_probs, out.entropy), z, g_lp.to(out.log_probs.dtype),
+                    g_ent.to(out.log_probs.dtype))
+    z64 = z.detach().double().requires_grad_()
+    lp64, ent64, _ = oracle(z64, t, temp)
+    (want,) = _grads((lp64, ent64), z64, g_lp.double(), g_ent.double())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=tol * 10 * want.abs().max().item(),
+                               rtol=0)
+
+
+def test_large_offset_and_masked_padding_keep_precision(impl):
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 29, generator=g) + 1.0e4
+    z[:, -3:] = float("-inf")  # masked vocabulary padding
+    t = torch.randint(0, 26, (4,), generator=g)
+    out = token_logprobs(z, t, return_entropy=True)
+    lp, ent, _ = oracle(z, t)
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_range_pads_and_out_of_range_is_nan(impl):
+    z = torch.randn(6, 20, requires_grad=True)
+    t = torch.tensor([0, 5, 16, 17, -100, 3])  # 17: past the 17-id vocabulary
+    out = token_logprobs(z, t, vocab_range=(0, 17), return_entropy=True, return_argmax=True)
+    lp, ent, am = oracle(z.detach(), t.clamp(max=16), valid=17)
+    assert torch.isnan(out.log_probs[3])
+    keep = torch.tensor([0, 1, 2, 4, 5])
+    torch.testing.assert_close(out.log_probs[keep].double(), lp[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy[keep].double(), ent[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.argmax, am)
+    out.entropy.sum().backward()
+    assert torch.all(z.grad[:, 17:] == 0) and torch.all(z.grad[4] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("softcap,scale,bias", [(None, 1.0, False), (5.0, 0.5, True)])
+def test_from_hidden_matches_oracle(impl, dtype, softcap, scale, bias, monkeypatch):
+    from vocab_parallel_loss.autograd import logprobs as autograd_logprobs
+
+    monkeypatch.setattr(autograd_logprobs, "CHUNK_BYTES", 7 * 4 * 256)  # several column chunks
+    g = torch.Generator().manual_seed(3)
+    e = torch.randn(2, 7, 16, generator=g, dtype=dtype, requires_grad=True)
+    c = (torch.randn(600, 16, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    b = (torch.randn(600, generator=g, dtype=dtype) * 0.1).requires_grad_() if bias else None
+    t = torch.randint(0, 600, (2, 7), generator=g)
+    t[1, 3] = -100
+    out = linear_token_logprobs(e, c, t, b, temperature=0.9, softcap=softcap, logit_scale=scale,
+                                return_entropy=True, return_argmax=True)
+    z = e.detach().double() @ c.detach().double().t()
+    if bias:
+        z = z + b.detach().double()
+    lp, ent, am = oracle(z, t, 0.9, softcap=softcap, scale=scale)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=tol * 10, rtol=tol * 10)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=tol * 10, rtol=tol * 10)
+    assert torch.equal(out.argmax, am)
+    g_lp, g_ent = torch.randn(2, 7, generator=g), torch.randn(2, 7, generator=g)
+    inputs = (e, c) + ((b,) if bias else ())
+    got = _grads((out.log_probs, out.entropy), inputs, g_lp.to(dtype), g_ent.to(dtype))
+    ins64 = [x.detach().double().requires_grad_() for x in inputs]
+    z64 = ins64[0] @ ins64[1].t() + (ins64[2] if bias else 0)
+    lp64, ent64, _ = oracle(z64, t, 0.9, softcap=softcap, scale=scale)
+    want = _grads((lp64, ent64), ins64, g_lp.double(), g_ent.double())
+    for a, w in zip(got, want):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0)
+
+
+def test_verl_signature_and_reductions():
+    import inspect
+
+    params = list(inspect.signature(verl_linear_cross_entropy).parameters)
+    assert params == ["hidden", "weight", "labels", "temperature", "reduction",
+                      "dist_process_group"]
+    g = torch.Generator().manual_seed(4)
+    h, w = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
+    labels = torch.randint(0, 33, (9,), generator=g)
+    lp, ent = verl_linear_cross_entropy(h, w, labels, 1.3, "none")
+    want_lp, want_ent, _ = oracle(h.double() @ w.double().t(), labels, 1.3)
+    torch.testing.assert_close(lp.double(), want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
+    total, _ = verl_linear_cross_entropy(h, w, labels, 1.3, "mean")
+    torch.testing.assert_close(total.double(), want_lp.mean(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="reduction"):
+        verl_linear_cross_entropy(h, w, labels, 1.3, "max")
+
+
+def test_errors_name_the_argument():
+    z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=torch.ones(2))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=torch.ones(3, requires_grad=True))
+    with pytest.raises(ValueError, match="vocab_range"):
+        token_logprobs(z, t, vocab_range=(0, 9))
+    with pytest.raises(TypeError, match="target"):
+        token_logprobs(z, t.float())
+    with pytest.raises(ValueError, match="ignore_index"):
+        token_logprobs(z, t, ignore_index=-100.5)

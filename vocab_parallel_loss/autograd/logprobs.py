@@ -1,0 +1,199 @@
+"""Autograd of the per-token log-probability and entropy (reinforcement-learning post-training).
+
+Per token with raw logits ``z`` over the global vocabulary, the logits the policy samples from
+are ``x = cap(scale * z) / T`` (temperature ``T``: a float or one per token). Outputs:
+``log_prob = x_t - lse``, ``entropy = lse - sum_j p_j x_j`` and the argmax column. Every rank
+(or column chunk) reduces its columns to five statistics (``kernels/logprobs.py``); one
+all-gather over the TP group and ``formulas.merge_logprob_stats`` give the exact values on every
+rank. Backward needs no communication for the logits path; the hidden-state path sums the
+gradient of the hidden states over the group, like the fused linear loss.
+
+Two entries: ``from_logits`` (this rank's logits shard, any strides) and ``from_hidden`` (hidden
+states and this rank's classifier rows; the logits exist one column chunk at a time).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+
+from .. import communication
+from ..formulas import logprob_and_entropy, merge_logprob_stats
+from ..layout import RowView, like_rows, row_view
+
+#: Bytes of one fp32 column chunk of logits in the hidden-state path.
+CHUNK_BYTES = 256 * 1024 * 1024
+
+
+class TokenLogprobs(NamedTuple):
+    """Per-token outputs, shaped like the targets: fp32 ``log_probs`` (float64 for float64
+    inputs), ``entropy`` (None unless asked for), int64 ``argmax`` (None unless asked for)."""
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    argmax: Optional[torch.Tensor]
+
+
+class Options(NamedTuple):
+    group: object
+    col_start: int  # global id of this rank's first column
+    valid: int  # columns of this rank that are vocabulary (the rest is padding)
+    ignore_index: int
+    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs)
+    scale: float
+    softcap: Optional[float]
+    rows: object  # the row backend: kernels/logprobs.py or reference/logprobs.py
+
+
+def _finish(stats, t, o: Options):
+    """Merge over the TP group; apply ignore and out-of-range targets."""
+    m, s, w, x_t, col = merge_logprob_stats(communication.gather_stats(stats, o.group))
+    logp, ent, lse = logprob_and_entropy(m, s, w, x_t)
+    ignored = t == o.ignore_index
+    bad = ~ignored & ((t < 0) | (t >= o.vocab_size))
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    logp = torch.where(ignored, zero, torch.where(bad, torch.full_like(logp, float("nan")), logp))
+    ent = torch.where(ignored, zero, ent)
+    return logp, ent, lse, col.to(torch.int64), ignored, bad
+
+
+def _upstream(g, n, like, ignored, bad=None):
+    """A per-token upstream gradient: zeros when absent, 0 for ignored tokens, NaN for tokens
+    with an out-of-range target whose log-prob is differentiated (their log-prob is NaN)."""
+    if g is None:
+        return torch.zeros(n, dtype=like.dtype, device=like.device)
+    g = g.reshape(-1).to(like.dtype)
+    g = torch.where(ignored, torch.zeros_like(g), g)
+    if bad is not None:
+        g = torch.where(bad & (g != 0), torch.full_like(g, float("nan")), g)
+    return g.contiguous()
+
+
+class _FromLogits(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, t, inv_t, o: Options):
+        ctx.set_materialize_grads(False)
+        view = row_view(logits)
+        n = t.numel()
+        f64 = logits.dtype == torch.float64
+        stats = torch.empty((5, n), dtype=torch.float64 if f64 else torch.float32,
+                            device=logits.device)
+        if n:
+            o.rows.stats(view, t, inv_t, o.col_start, o.valid, o.scale, o.softcap, stats)
+        else:
+            stats.zero_()
+        logp, ent, lse, col, ignored, bad = _finish(stats, t, o)
+        ctx.save_for_backward(view.tensor, t, inv_t, lse, ent, ignored, bad)
+        ctx.rows = (view.D1, view.s0, view.s1)
+        ctx.o = o
+        ctx.mark_non_differentiable(col)
+        return logp, ent, col
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _):
+        logits, t, inv_t, lse, ent, ignored, bad = ctx.saved_tensors
+        o = ctx.o
+        if g_lp is None and g_ent is None:
+            return None, None, None, None
+        n = t.numel()
+        g_lp = _upstream(g_lp, n, lse, ignored, bad)
+        g_ent = _upstream(g_ent, n, lse, ignored)
+        view = RowView(logits, *ctx.rows)
+        dview = like_rows(view)
+        o.rows.backward(view, dview, t, inv_t, lse, ent, g_lp, g_ent, o.col_start, o.valid,
+                        o.scale, o.softcap)
+        return dview.tensor, None, None, None
+
+
+def from_logits(logits, t, inv_t, o: Options):
+    """``(log_probs, entropy, argmax)`` flat, from this rank's logits shard."""
+    return _FromLogits.apply(logits, t, inv_t, o)
+
+
+def _chunk_cols(n: int, v: int, elem: int) -> int:
+    cols = max(256, (CHUNK_BYTES // max(1, n * elem)) // 256 * 256)
+    return min(v, cols)
+
+
+class _FromHidden(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, gemm):
+        ctx.set_materialize_grads(False)
+        full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
+        e2 = full.reshape(-1, full.shape[-1])
+        n, v = e2.shape[0], c.shape[0]
+        f64 = e.dtype == torch.float64
+        acc = torch.float64 if f64 else torch.float32
+        step = _chunk_cols(n, v, 8 if f64 else 4)
+        n_chunks = max(1, -(-v // step))
+        parts = torch.zeros((n_chunks, 5, n), dtype=acc, device=e.device)
+        parts[:, 0] = float("-inf")
+        if n:
+            z = torch.empty((n, min(step, v)), dtype=acc, device=e.device)
+            for k, c0 in enumerate(range(0, v, step)):
+                c1 = min(v, c0 + step)
+                valid = max(0, min(c1, o.valid) - c0)
+                if valid == 0:
+                    break  # padding columns only from here on
+                zk = z[:, :c1 - c0]
+                gemm.logits(e2, c[c0:c1], None if bias is None else bias[c0:c1], zk)
+                o.rows.stats(RowView(zk, n, 0, zk.stride(0)), t, inv_t, o.col_start + c0,
+                             valid, o.scale, o.softcap, parts[k])
+        local = torch.stack(merge_logprob_stats(parts)) if n_chunks > 1 else parts[0]
+        logp, ent, lse, col, ignored, bad = _finish(local, t, o)
+        ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad)
+        ctx.o, ctx.sp, ctx.gemm, ctx.step = o, sequence_parallel, gemm, step
+        ctx.mark_non_differentiable(col)
+        return logp, ent, col
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _):
+        e, c, bias, t, inv_t, lse, ent, ignored, bad = ctx.saved_tensors
+        o, gemm, step = ctx.o, ctx.gemm, ctx.step
+        need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        need_b = bias is not None and ctx.needs_input_grad[2]
+        if g_lp is None and g_ent is None:
+            return None, None, None, None, None, None, None, None
+        full = communication.gather_along_first_dim(e, o.group) if ctx.sp else e
+        e2 = full.reshape(-1, full.shape[-1])
+        n, v = e2.shape[0], c.shape[0]
+        acc = lse.dtype
+        g_lp = _upstream(g_lp, n, lse, ignored, bad)
+        g_ent = _upstream(g_ent, n, lse, ignored)
+        de = torch.zeros((n, e2.shape[1]), dtype=acc, device=e.device) if need_e else None
+        dc = torch.zeros_like(c) if need_c else None
+        db = torch.zeros(v, dtype=acc, device=e.device) if need_b else None
+        if n:
+            z = torch.empty((n, min(step, v)), dtype=acc, device=e.device)
+            dz = torch.empty((n, min(step, v)), dtype=e.dtype, device=e.device)
+            for c0 in range(0, v, step):
+                c1 = min(v, c0 + step)
+                valid = max(0, min(c1, o.valid) - c0)
+                if valid == 0:
+                    break  # padding columns: zero gradient (dc, db start at zero)
+                zk, dzk = z[:, :c1 - c0], dz[:, :c1 - c0]
+                gemm.logits(e2, c[c0:c1], None if bias is None else bias[c0:c1], zk)
+                o.rows.backward(RowView(zk, n, 0, zk.stride(0)),
+                                RowView(dzk, n, 0, dzk.stride(0)), t, inv_t, lse, ent, g_lp,
+                                g_ent, o.col_start + c0, valid, o.scale, o.softcap)
+                if need_e:
+                    gemm.acc(de, dzk, c[c0:c1])  # dE += dz @ C_chunk, fp32
+                if need_c:
+                    gemm.store(dc[c0:c1], dzk.t(), e2)  # each dC row once, rounded once
+                if need_b:
+                    db[c0:c1] = dzk.sum(dim=0, dtype=acc)
+        de_out = None
+        if need_e:
+            if ctx.sp:
+                de = communication.reduce_scatter_along_first_dim(de.view(full.shape), o.group)
+            else:
+                de = communication.all_reduce_sum(de, o.group)
+            de_out = de.to(e.dtype).view(e.shape)
+        return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None,
+                None)
+
+
+def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, gemm):
+    """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows."""
+    return _FromHidden.apply(e, c, bias, t, inv_t, o, sequence_parallel, gemm)

@@ -1,0 +1,30 @@
+"""verl's ``linear_cross_entropy`` signature over ``linear_token_logprobs``."""
+
+from __future__ import annotations
+
+from ..functional import linear_token_logprobs
+
+_REDUCTIONS = ("none", "sum", "mean")
+
+
+def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="none",
+                         dist_process_group=None):
+    """``(log_probs, entropy)`` of ``labels`` under ``softmax(hidden @ weight.T / temperature)``.
+
+    ``hidden`` is ``(..., H)`` (flattened to tokens), ``weight`` this rank's vocabulary shard of
+    the output layer, ``labels`` the token ids (every label is a real token: no ignore index).
+    Both outputs are fp32 of shape ``(num_tokens,)``; ``reduction="sum"``/``"mean"`` reduces
+    the log-probs over the tokens (the entropy stays per token), as verl does.
+    """
+    if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    h = hidden.reshape(-1, hidden.shape[-1])
+    out = linear_token_logprobs(h, weight, labels.reshape(-1), tp_group=dist_process_group,
+                                temperature=temperature, ignore_index=-(2**63),
+                                return_entropy=True)
+    log_probs = out.log_probs
+    if reduction.lower() == "sum":
+        log_probs = log_probs.sum()
+    elif reduction.lower() == "mean":
+        log_probs = log_probs.mean()
+    return log_probs, out.entropy

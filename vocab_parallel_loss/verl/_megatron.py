@@ -1,0 +1,35 @@
+"""A megatron-core ``GPTModel.forward(..., output_processor=...)`` hook (megatron-core >= 0.18):
+per-token log-probs and entropy straight from the decoder's hidden states."""
+
+from __future__ import annotations
+
+from ..functional import linear_token_logprobs
+
+
+def output_processor(*, hidden_states, output_layer, output_weight=None, labels=None,
+                     context=None, config=None, **_):
+    """Return ``{"log_probs": [b, s], "entropy": [b, s]}`` for ``labels`` ``[b, s]``.
+
+    ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0) and
+    ``ignore_index`` (default -100). The hidden states arrive ``[s, b, h]`` (sequence-sharded
+    under sequence parallelism); the classifier is the output layer's weight shard (or the
+    shared embedding weight that megatron-core passes as ``output_weight``).
+    """
+    if labels is None:
+        raise ValueError("output_processor needs labels: the log-probs are of the label tokens")
+    ctx = context or {}
+    weight = output_weight if output_weight is not None else output_layer.weight
+    bias = getattr(output_layer, "bias", None) if output_weight is None else None
+    group = getattr(output_layer, "tp_group", None)
+    if group is None:
+        from megatron.core import parallel_state  # noqa: PLC0415 - only with megatron-core
+
+        group = parallel_state.get_tensor_model_parallel_group()
+    sp = bool(getattr(config, "sequence_parallel", False))
+    temperature = ctx.get("temperature", 1.0)
+    if hasattr(temperature, "dim") and temperature.dim() == 2:
+        temperature = temperature.t()  # [b, s] -> [s, b], the hidden states' order
+    out = linear_token_logprobs(hidden_states, weight, labels.t(), bias, tp_group=group,
+                                sequence_parallel=sp, temperature=temperature,
+                                ignore_index=ctx.get("ignore_index", -100), return_entropy=True)
+    return {"log_probs": out.log_probs.t(), "entropy": out.entropy.t()}
