@@ -380,20 +380,21 @@ def test_reduced_loss_leaf_gradient_is_not_copied(impl):
 
 
 @pytest.mark.parametrize("upstream", [1.0, 0.25])
-@pytest.mark.parametrize("per_sm", [0, 4])
+@pytest.mark.parametrize("small_blocks", [False, True])
 @pytest.mark.parametrize("sum_in_grad", [True, False])
-def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, per_sm,
+def test_fused_reduced_path_equals_the_two_passes(impl, monkeypatch, upstream, small_blocks,
                                                   sum_in_grad):
     if impl != "triton":
         pytest.skip("the fused path is Triton's")
     kernels = backends.triton_logits
     default = kernels.fused_config
-    # per_sm=4: a grid of 8 programs (the interpreter counts 2 multiprocessors) loops over rows,
-    # with blocks shorter than the row read as whole blocks without a mask and then a tail;
-    # sum_in_grad: label smoothing's sum of logits taken in the second pass or in the first
-    small = dict(BLOCK=512, GRAD_BLOCK=1024, SPLIT=True) if per_sm else {}
+    # small_blocks: blocks shorter than the row, as long rows get on the GPU (both passes loop
+    # over whole blocks and a tail); else one block holds the row. sum_in_grad: label
+    # smoothing's sum of logits taken in the second pass or in the first (the config picks it
+    # by row size; both are forced here on one small shape)
+    small = dict(BLOCK=512, GRAD_BLOCK=1024) if small_blocks else {}
     monkeypatch.setattr(kernels, "fused_config", lambda v, d, ls=False, inplace=False: dict(
-        default(v, d, ls, inplace), programs_per_sm=per_sm, SUM_IN_GRAD=sum_in_grad, **small))
+        default(v, d, ls, inplace), SUM_IN_GRAD=sum_in_grad, **small))
     logits = make_logits((7, 3, 2053), torch.bfloat16, "sbv_transposed").requires_grad_()
     target = make_target((7, 3), 2053)
     saved = []

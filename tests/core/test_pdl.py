@@ -1,4 +1,4 @@
-"""Programmatic dependent launch of the fused path of a mean (``_pdl`` in kernels/cross_entropy.py).
+"""Programmatic dependent launch of the fused path of a mean (``_pdl`` in kernels/logits.py).
 
 What can be checked without a GPU: when it is on, and that the chained kernels compile for
 Hopper (sm_90) with the grid-dependency instructions where the safety argument needs them. On
@@ -39,21 +39,37 @@ def test_on_unless_turned_off_and_never_off_cuda(monkeypatch, env, on):
 
 
 # Compiles the three kernels for sm_90 (no GPU needed) and reports, per kernel, the order of the
-# grid-dependency instructions and the global loads in the PTX.
-_PROBE = r'''
+# grid-dependency instructions and the global loads in the PTX. The signature is read from the
+# kernel's parameters (pointers 16-byte aligned, as launches get them), and every constexpr not
+# given takes its default: a compile through ASTSource applies none.
+_PROBE = r"""
 import json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vocab_parallel_loss.kernels import logits as K
-sys.path.insert(0, "scripts")
-from ptxas_registers import constexpr_defaults, signature
+from vocab_parallel_loss.kernels.launch import PINNED
 
-def ptx(fn, sig, consts, warps):
-    consts = constexpr_defaults(fn, consts)  # every constexpr, unset ones at their defaults
-    sig = {**sig, **{name: "constexpr" for name in consts}}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+POINTERS = {"x_ptr": "*bf16", "dx_ptr": "*bf16", "tgt_ptr": "*i64", "count_ptr": "*i64"}
+SCALARS = {"s0": "i64", "s1": "i64", "d0": "i64", "d1": "i64", "smoothing": "fp32",
+           "z_loss": "fp32"}
+
+def ptx(fn, consts, warps):
+    sig, full = {}, {}
+    for p in fn.params:
+        if p.is_constexpr:
+            full[p.name] = consts[p.name] if p.name in consts else p.default
+            sig[p.name] = "constexpr"
+        elif p.name.endswith("_ptr"):
+            sig[p.name] = POINTERS.get(p.name, "*fp32")
+        else:
+            sig[p.name] = SCALARS.get(p.name, "i32")
+    assert set(consts) <= set(full), set(consts) - set(full)
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n][0] == "*"}
+    src = ASTSource(fn=fn, signature=sig, constexprs=full, attrs=attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, **PINNED))
     return k.asm["ptx"]
 
 def order(text):
@@ -67,22 +83,15 @@ def order(text):
     return out
 
 gdc = sys.argv[1] == "1"
-count_sig = {"tgt_ptr": "*i64", "count_ptr": "*i64", "N": "i32", "tgt_stride": "i32",
-             "ignore_index": "i32"}
-reduce_sig = {"loss_ptr": "*fp32", "tgt_ptr": "*i64", "out_ptr": "*fp32", "count_ptr": "*i64",
-              "N": "i32", "tgt_stride": "i32", "ignore_index": "i32"}
-fused_sig = signature("bf16")  # the launched signature, kept in scripts/ptxas_registers.py
 print(json.dumps({
-    "count": order(ptx(K._ce_count_kernel, count_sig, dict(BLOCK=4096, GDC=gdc), 16)),
-    "reduce": order(ptx(K._ce_reduce_kernel, reduce_sig,
-                        dict(MEAN=True, COUNTED=True, BLOCK=4096, GDC=gdc), 16)),
-    "fused": order(ptx(K._ce_forward_grad_kernel, fused_sig,
+    "count": order(ptx(K._ce_count_kernel, dict(BLOCK=4096, GDC=gdc), 16)),
+    "reduce": order(ptx(K._ce_reduce_kernel, dict(MEAN=True, COUNTED=True, BLOCK=4096, GDC=gdc),
+                        16)),
+    "fused": order(ptx(K._ce_forward_grad_kernel,
                        dict(MEAN=True, HAS_SMOOTHING=False, HAS_Z=False, BLOCK=1024, VEC=8,
-                            GRAD_BLOCK=1024, SPLIT=False, GDC=gdc, SUM_IN_GRAD=False,
-                            FIRST_HINT="evict_last", SECOND_HINT="evict_first", STORE_HINT=""),
-                       8)),
+                            GRAD_BLOCK=1024, GDC=gdc), 8)),
 }))
-'''
+"""
 
 
 def _compiled_order(gdc: bool) -> dict:

@@ -178,9 +178,8 @@ def _launch(kernel, grid, args, kwargs):
     run, function, metadata, tail, _ = entry
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    # the tensors themselves here: turning them into ints in Python cost more than the launcher
-    # saves (3 us against 1 on the H200 host, scripts/host_overhead.py); a remembered launch has
-    # the ints at hand (_relaunch)
+    # the tensors themselves here: turning them into ints in Python costs more than the launcher
+    # saves; a remembered launch has the ints at hand (_relaunch)
     # no hook is set (checked above): no launch metadata, no hooks, as JITFunction.run would
     run(grid[0], g1, g2, _driver[1](device), function, metadata, None, None, None, *args, *tail)
     return entry, device

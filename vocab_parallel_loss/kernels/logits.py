@@ -11,18 +11,18 @@ Megatron's ``[s, b, v]`` transposed views and narrowed views without a copy. Off
 
 Numerics. All arithmetic is fp32 whatever the logits dtype; the exponentials use ``exp2`` on
 pre-scaled values. The forward keeps a running max per 16-byte vector (see ``_row_stats``), so
-each element costs one ``exp2``: a running max per element would cost two, which is at the H200's
-special-function throughput limit for bf16 at full HBM bandwidth, and a block-wide running max
-costs a shared-memory reduction per block (measured 1.2-3.7x the bound with 4-16 warps).
+each element costs one ``exp2``: a running max per element would cost two, at the H200's
+special-function limit for bf16 at full HBM bandwidth, and a block-wide running max costs a
+shared-memory reduction per block.
 
 Reduced losses (``"mean"``/``"sum"``) on one shard need no per-token upstream gradient, so
 ``_ce_forward_grad_kernel`` writes their gradient during forward: each row is read twice by the
-same program, the second time from L2, so HBM sees 4 B/element instead of 6 (1.05-1.09x the 4 B
-bound on the H200 for rows up to 64 KB). Backward then acts only when the scalar upstream
-gradient is not 1, a test made on the device. A ``"mean"`` on this path is three launches
-(count, fused kernel, reduction), chained on Hopper and later with programmatic dependent launch
-(``_pdl``) so that the count and the launch gaps overlap the fused kernel. With tensor
-parallelism the row's statistics need the collective first, so the two passes stay.
+same program, the second time from L2, so HBM sees 4 B/element instead of 6. Backward then acts
+only when the scalar upstream gradient is not 1, a test made on the device. A ``"mean"`` on this
+path is three launches (count, fused kernel, reduction), chained on Hopper and later with
+programmatic dependent launch (``_pdl``) so that the count and the launch gaps overlap the fused
+kernel. With tensor parallelism the row's statistics need the collective first, so the two
+passes stay.
 """
 
 from __future__ import annotations
@@ -76,10 +76,10 @@ def _stats_step(x, m, s):
 def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
                      VEC: tl.constexpr, HINT: tl.constexpr):
     """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
-    instructions per element (2-3% off the per-token forward kernel; the fused kernel, where a
-    row is one or two blocks, was slower with it: see ``fused_config``). The sum of logits is
-    kept per element and reduced once, at the end: a per-block reduction of the loaded tile
-    crashed Triton 3.6's thread-locality pass for fp32."""
+    instructions per element, faster in the statistics pass (the fused kernel, whose rows up to
+    64 KB are one or two blocks, is faster without it). The sum of logits is kept per element
+    and reduced once, at the end: a per-block reduction of the loaded tile crashed Triton 3.6's
+    thread-locality pass for fp32."""
     offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK // VEC], tl.float32)
@@ -102,16 +102,17 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
 
 @triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
-               VEC: tl.constexpr, HINT: tl.constexpr = "", SPLIT: tl.constexpr = False):
+               VEC: tl.constexpr, HINT: tl.constexpr, SPLIT: tl.constexpr):
     """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
     elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
     the reductions over ``VEC`` stay inside a thread: no shared-memory round trip per block, and
     one ``exp2`` per element (plus one per ``VEC`` elements to rescale). Tile rows are merged once,
-    at the end. ``HINT``: the L2 eviction policy of the reads (``forward_config``; the fused
-    kernel, which reads the row twice, keeps it with ``evict_last``).
-    ``SPLIT`` reads whole blocks without a mask and then the tail (``_row_stats_split``).
+    at the end. ``HINT``: the L2 eviction policy of the reads (none in the statistics pass; the
+    fused kernel, which reads the row twice, keeps it with ``evict_last``). ``SPLIT`` reads whole
+    blocks without a mask and then the tail (``_row_stats_split``): on in the statistics pass,
+    off in the fused kernel.
     """
     # the target logit first: its latency then overlaps the streaming loop instead of
     # trailing it (worth several % on short TP shards)
@@ -165,14 +166,14 @@ def _ce_forward_kernel(
     N, V_local, D1, s0, s1, tgt_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     FINALIZE: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-    BLOCK: tl.constexpr, VEC: tl.constexpr, SPLIT: tl.constexpr = False,
-    LOAD_HINT: tl.constexpr = "",
+    BLOCK: tl.constexpr, VEC: tl.constexpr,
 ):
     row = tl.program_id(0)
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
-    m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK, VEC,
-                                  LOAD_HINT, SPLIT)
+    # reads unhinted (evict_first was slower, evict_last the same), whole blocks then the tail
+    m, s, x_t, sum_x = _row_stats(x_row, V_local, t - vocab_start, HAS_SMOOTHING, BLOCK, VEC, "",
+                                  True)
     if FINALIZE:
         # one shard holds the whole vocabulary: the loss comes straight out
         lse = m + tl.log2(s) * 0.6931471805599453
@@ -247,12 +248,11 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
 
 @triton.jit
 def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr = "",
-              STORE_HINT: tl.constexpr = ""):
+              HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr):
     """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once.
 
-    ``LOAD_HINT`` / ``STORE_HINT``: L2 eviction policies of the reads and writes (``""``: none,
-    the default; see ``backward_config``)."""
+    ``LOAD_HINT``: the L2 eviction policy of the reads (``backward_config``); the writes are
+    unhinted (``evict_first`` on them was slower)."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     for start in range(0, V_local, BLOCK):
@@ -265,28 +265,27 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
         else:
             dx = coef * p - tl.where(idx == t_local, target_coef, 0.0)
         dx = tl.where(valid, dx, 0.0)
-        tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
-                 eviction_policy=STORE_HINT)
+        tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
-                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr = False,
-                   LOAD_HINT: tl.constexpr = "evict_first", STORE_HINT: tl.constexpr = "",
-                   LOAD_CACHE: tl.constexpr = "", STORE_CACHE: tl.constexpr = ""):
+                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr,
+                   STORE_HINT: tl.constexpr):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
-    two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop
-    (1.30-1.37x the bound, 1.05-1.09x after this). Walks the row from its end, so the second
-    read meets first the blocks the first read left in L2 last (the tail block first, then
-    whole blocks without a mask); an ignored row takes a branch that stores zeros; the target
-    column's term is not tested per element but written once at the end, from ``x_t`` (the
-    same value as the column's element), after a barrier orders it behind the row's stores.
-    (As the backward kernel's loop it is 3-10% slower than ``_row_grad``: there the plain loop
-    is not instruction-bound; tuning/h200-2026-12-03-bwd-lean.*.)
+    two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop.
+    Walks the row from its end, so the second read meets first the blocks the first read left
+    in L2 last (the tail block first, then whole blocks without a mask); an ignored row takes a
+    branch that stores zeros; the target column's term is not tested per element but written
+    once at the end, from ``x_t`` (the same value as the column's element), after a barrier
+    orders it behind the row's stores. (The backward kernel keeps ``_row_grad``: it is not
+    instruction-bound, and this loop was slower there.)
 
-    ``SUM_X``: also returns the sum of the row's logits (label smoothing's loss needs it), one
-    add per element into a per-lane accumulator: the unmasked blocks need no select, and the
-    masked tail reads 0 past the row's end; an ignored row returns 0."""
+    The reads are ``evict_first`` (the row is not read again); ``STORE_HINT``: the L2 eviction
+    policy of the gradient's stores (``fused_config``). ``SUM_X``: also returns the sum of the
+    row's logits (label smoothing's loss needs it), one add per element into a per-lane
+    accumulator: the unmasked blocks need no select, and the masked tail reads 0 past the row's
+    end; an ignored row returns 0."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
@@ -296,26 +295,24 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         if tail < V_local:
             idx = tail + cols
             mask = idx < V_local
-            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy=LOAD_HINT,
-                        cache_modifier=LOAD_CACHE).to(tl.float32)
+            x = tl.load(x_row + idx, mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
                 acc += x
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
-                     eviction_policy=STORE_HINT, cache_modifier=STORE_CACHE)
+                     eviction_policy=STORE_HINT)
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
-            x = tl.load(x_row + idx, eviction_policy=LOAD_HINT,
-                        cache_modifier=LOAD_CACHE).to(tl.float32)
+            x = tl.load(x_row + idx, eviction_policy="evict_first").to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
                 acc += x
-            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT,
-                     cache_modifier=STORE_CACHE)
+            tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT)
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
         # the same rounding as ``_row_grad``'s target column (the two paths agree bitwise)
@@ -348,7 +345,7 @@ def _ce_backward_kernel(
     N, V_local, D1, s0, s1, d0, d1, tgt_stride, dloss_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    UNLESS_UNIT: tl.constexpr = False, LOAD_HINT: tl.constexpr = "", STORE_HINT: tl.constexpr = "",
+    UNLESS_UNIT: tl.constexpr = False, LOAD_HINT: tl.constexpr = "",
 ):
     """dx_j = g * (softmax_j * (1 + 2 z lse) - (1 - a) [j == t] - a / V), rounded once.
 
@@ -366,20 +363,20 @@ def _ce_backward_kernel(
                 _backward_row(pid + i * n_prog, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr,
                               V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
                               ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK,
-                              LOAD_HINT, STORE_HINT)
+                              LOAD_HINT)
     else:
         row = tl.program_id(0)
         g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
         _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
                       d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
-                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT, STORE_HINT)
+                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT)
 
 
 @triton.jit
 def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1, d0,
                   d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
                   MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
-                  BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr, STORE_HINT: tl.constexpr):
+                  BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr):
     x_row = x_ptr + _row_start(row, D1, s0, s1)
     dx_row = dx_ptr + _row_start(row, D1, d0, d1)
     t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
@@ -390,7 +387,7 @@ def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
     coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
     _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
-              HAS_SMOOTHING, BLOCK, LOAD_HINT, STORE_HINT)
+              HAS_SMOOTHING, BLOCK, LOAD_HINT)
 
 
 @triton.jit
@@ -420,25 +417,24 @@ def _ce_forward_grad_kernel(
     N, V_local, D1, s0, s1, d0, d1, tgt_stride,
     vocab_start, V_global, ignore_index, smoothing, z_loss,
     MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK: tl.constexpr,
-    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, SPLIT: tl.constexpr = False,
-    GDC: tl.constexpr = False, SUM_IN_GRAD: tl.constexpr = False,
-    FIRST_HINT: tl.constexpr = "evict_last", SECOND_HINT: tl.constexpr = "evict_first",
-    STORE_HINT: tl.constexpr = "", SECOND_CACHE: tl.constexpr = "", STORE_CACHE: tl.constexpr = "",
+    VEC: tl.constexpr, GRAD_BLOCK: tl.constexpr, GDC: tl.constexpr = False,
+    SUM_IN_GRAD: tl.constexpr = False, STORE_HINT: tl.constexpr = "",
 ):
     """Loss, lse and the gradient for a unit upstream gradient of a reduced loss, in one kernel.
 
     One shard holds the whole vocabulary. Each row is read twice, the second time (moments
     later, by the same program) mostly from L2, so HBM sees 2 B read + 2 B written per element
-    against 6 B for the forward-then-backward passes. The grid may be smaller than N (programs
-    then loop over rows), which bounds the rows in flight and so the L2 footprint.
+    against 6 B for the forward-then-backward passes. The first read keeps the row in L2
+    (``evict_last``), the second lets it go (``evict_first``).
+
+    The launch is a program per row (``forward_grad``), so the rows in flight, and with them the
+    L2 footprint, are bounded by residency. The body is a loop over rows strided by the grid, so
+    each program's loop runs once: the configs were measured with this compiled code, and the
+    kernel's speed moves with its register allocation (docs/design.md, section 5).
 
     ``GDC``: launched while the count kernel still runs (``_pdl``); the first read of a row
     overlaps it, and the count is read only after ``gdc_wait``. The grid is never larger than
     N, so every program waits at least once: this kernel never ends before the count kernel.
-
-    ``SECOND_CACHE`` / ``STORE_CACHE``: cache modifiers of the second read and the stores, for
-    ``scripts/diag_inplace.py`` only: none is shipped (the best measured within 0.3% of none in
-    place, tuning/h200-2026-12-03-fused-inplace-cache.*); PTX takes no eviction policy with one.
 
     ``SUM_IN_GRAD`` (label smoothing): the sum of logits is taken in the second pass
     (``_row_grad_lean``'s ``SUM_X``) rather than the first, so the first pass is the plain one,
@@ -451,14 +447,14 @@ def _ce_forward_grad_kernel(
         t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride).to(tl.int64)
         t_local = t - vocab_start
         if SUM_IN_GRAD:  # the lse now (NaN for an out-of-range target), the loss after pass 2
-            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, FIRST_HINT,
-                                      SPLIT)
+            m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, "evict_last",
+                                      False)
             lse_raw = m + tl.log2(s) * 0.6931471805599453
             _, lse = _loss_from_stats(t, lse_raw, x_t, 0.0, V_global, ignore_index, smoothing,
                                       z_loss, False, HAS_Z)
         else:
             m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
-                                          FIRST_HINT, SPLIT)
+                                          "evict_last", False)
             loss, lse = _loss_from_stats(t, m + tl.log2(s) * 0.6931471805599453, x_t, sum_x,
                                          V_global, ignore_index, smoothing, z_loss,
                                          HAS_SMOOTHING, HAS_Z)
@@ -475,8 +471,7 @@ def _ce_forward_grad_kernel(
                                                  HAS_Z)
         sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
                                x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
-                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, SECOND_HINT,
-                               STORE_HINT, SECOND_CACHE, STORE_CACHE)
+                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, STORE_HINT)
         if SUM_IN_GRAD:
             loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
                                        z_loss, HAS_SMOOTHING, HAS_Z)
@@ -509,51 +504,29 @@ def _block(v_local: int, cap: int) -> int:
     return max(16, min(cap, 1 << (v_local - 1).bit_length()))  # triton.next_power_of_2
 
 
-# the configs are cached (one dict per shape and dtype): they are read on every launch; the dicts
-# are only unpacked into launches, never changed
+# The configs were chosen by sweeps on the H200 (docs/design.md, section 5, has the figures).
+# They are cached (one dict per shape and dtype) because they are read on every launch; the dicts
+# are only unpacked into launches, never changed.
 @functools.lru_cache(maxsize=256)
 def forward_config(v_local: int, dtype: torch.dtype) -> dict:
-    """Launch parameters of the statistics pass (tuned on the H200: scripts/tune_kernels.py)."""
-    # H200 sweep (2026-12-02, scripts/tune_kernels.py): 2048-element blocks of 16-byte vectors
-    # with 4 warps were within 3% of the best on every shape (0.99-1.12x the 2 B bound). Whole
-    # blocks without a mask (SPLIT) took 2-3% more off every shape (2026-12-03,
-    # tuning/h200-2026-12-03-split-*: 1.118x at 16032 columns, 1.057 at 32000, 0.99 at 128256)
-    # Reads without an eviction hint: evict_first (the earlier choice) was 2-5% slower
-    # (2026-12-03, scripts/diag_inplace.py, two rounds: 131-132 against 133-136 us at 16032
-    # columns, 243-244 against 251-257 at 32000, 921-922 against 949-964 at 128256;
-    # tuning/h200-2026-12-03-hints-*). evict_last measured the same as no hint.
+    """Launch parameters of the statistics pass."""
+    # 2048-element blocks of 16-byte vectors, 4 warps: within 3% of the best on every shape
     vec = 16 // dtype.itemsize
-    return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4, SPLIT=True,
-                LOAD_HINT="")
+    return dict(BLOCK=max(vec, _block(v_local, 2048)), VEC=vec, num_warps=4)
 
 
 @functools.lru_cache(maxsize=256)
 def backward_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -> dict:
-    """Launch parameters of the gradient pass (tuned on the H200: scripts/tune_kernels.py);
-    ``smoothing``: label smoothing is on."""
-    # the H200 sweeps (tuning/h200-2026-12-0[23]-*): 8K-16K blocks; 32 warps on rows over 16K
-    # columns (at 32000: 506 us against 520 with 8 warps, in three sweeps), 8 on 16K shards.
-    # The logits are read with evict_last, although they are not read again: 2.5-3% faster
-    # into a new buffer and 1.5-3% in place (2026-12-03, scripts/diag_inplace.py, the same in
-    # both rounds: 252 against 258 us at 16032 columns, 490 against 506 at 32000, 2035 against
-    # 2087 at 128256; tuning/h200-2026-12-03-hints-*). Why is not known (a guess: the
-    # gradient's unhinted lines are then evicted first, so its write-back streams out
-    # earlier). evict_first was slower on the reads (1-4%) and on the writes (0.5-4%). The cost
-    # to the next kernel: a 24 MiB buffer read twice right after took 31.1 against 29.0 us
-    # (16032), 29.8 against 28.9 (32000), the same at 128256. Only 2-byte logits were swept;
-    # fp32 ones at 32000 columns took 1.031 ms with the hint in bench run 12 against 0.999
-    # without in run 11, so fp32 reads stay unhinted.
-    hint = dict(LOAD_HINT="evict_last" if dtype.itemsize == 2 else "", STORE_HINT="")
+    """Launch parameters of the gradient pass; ``smoothing``: label smoothing is on."""
+    # blocks of 8K-16K elements, the sweeps' best. 2-byte logits are read evict_last although
+    # they are not read again: faster, into a new buffer and in place (why is not known); on
+    # fp32 reads the hint was slower
+    hint = dict(LOAD_HINT="evict_last" if dtype.itemsize == 2 else "")
     if v_local > 32768:
         return dict(BLOCK=8192, num_warps=32, **hint)
     if v_local > 16384:
-        # With label smoothing the backward (PTX instructions per element within 2% of
-        # plain's, the same registers) ran 5% slower at 32 warps than without, whatever the
-        # smoothing's value (1e-30 or 0.1: 514 against 488 us at 16384 x 32000), and at 8 warps
-        # as fast as plain at 8 (498 against 498 us; 518 at 32 warps). Why the warp count
-        # matters to smoothing alone is not known (2026-12-03, scripts/diag_inplace.py --only
-        # ls,pcfg, two rounds each; tuning/h200-2026-12-03-ls-bwd*). Only 2-byte logits were
-        # measured.
+        # 32 warps beat 8, except for label smoothing on 2-byte logits: its code was slower at
+        # 32 warps and as fast as plain at 8 (why is not known; fp32 was not measured)
         warps = 8 if smoothing and dtype.itemsize == 2 else 32
         return dict(BLOCK=16384, num_warps=warps, **hint)
     return dict(BLOCK=_block(v_local, 16384), num_warps=8 if v_local > 4096 else 4, **hint)
@@ -666,25 +639,17 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_uni
 @functools.lru_cache(maxsize=256)
 def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False,
                  inplace: bool = False) -> dict:
-    """Launch parameters of ``_ce_forward_grad_kernel``; ``programs_per_sm`` sizes the grid;
-    ``inplace``: the gradient is written over the logits.
+    """Launch parameters of ``_ce_forward_grad_kernel``; ``inplace``: the gradient is written
+    over the logits.
 
     The rows in flight must stay few enough that a row is still in L2 when its program reads
-    it the second time (rows in flight x row bytes well under the 50 MB L2). Every shipped
-    config runs a program per row (``programs_per_sm=0``), so what bounds them is residency:
-    the registers ptxas gives a config (2 programs per SM for the plain configs on the H200).
+    it the second time (rows in flight x row bytes well under the 50 MB L2). The launch is a
+    program per row (fixed grids looping over rows were slower), so what bounds them is
+    residency: the registers ptxas gives a config.
     """
-    # H200 sweeps (2026-12-03, scripts/tune_fused.py, benchmarks/results/tuning/fused-*): rows
-    # up to 64 KB: 8 warps reading up to 16K elements per block, so each thread has many loads
-    # in flight (1.05-1.09x the bound); 128 KB rows: 16 warps, 8K / 16K blocks (1.07x fp32,
-    # 1.25x bf16); longer rows: 32 warps, 8K blocks (1.34x at 128K columns, 1.37x at 256K, where
-    # rows in flight outgrow the L2). A program per row: a smaller grid was 2-10% slower, and
-    # 20-40% in session 13 (2 programs per SM at 16032-32000 columns, looping over rows:
-    # 0.650 against 0.538 ms; tuning/h200-2026-12-03-row-start-ab.md). The plain 64 KB config's
-    # speed also rests on its 119 registers: the same code with 59 (the per-row division folded
-    # away) ran 16-24% slower, at the same residency 30% slower (fewer loads in flight). Whole
-    # blocks without a mask (SPLIT, as in forward_config) were up to 10% slower for rows up to
-    # 64 KB and within 1-2% on longer ones (tuning/h200-2026-12-03-split-*), so it stays off.
+    # many loads in flight per thread: 8 warps reading 16K-element blocks up to 64 KB rows;
+    # longer rows take more warps and shorter blocks (past 128 KB the rows in flight outgrow
+    # the L2). Whole blocks without a mask (the statistics pass's SPLIT) were slower here.
     vec = 16 // dtype.itemsize
     row_bytes = v_local * dtype.itemsize
     if row_bytes <= 65536:
@@ -693,35 +658,20 @@ def fused_config(v_local: int, dtype: torch.dtype, smoothing: bool = False,
         block, grad_block, warps = 8192, 16384, 16
     else:
         block, grad_block, warps = 8192, 8192, 32
-    # Label smoothing needs the row's sum of logits. Summed in the first pass (one more
-    # per-vector array, and a select per element for the masked loads) the plain config ran at
-    # 1.84x the bound, so 4K / 8K blocks are used there. (The reason given until session 12,
-    # register spills, came from compiling without the launch's 16-byte alignment, a different
-    # program; compiled as launched, scripts/ptxas_registers.py, that config takes 107
-    # registers and spills nothing, so why it is slow is not known.) Summed in the second pass
-    # into a per-lane accumulator (SUM_IN_GRAD), and on the H200
-    # (tuning/h200-2026-12-03-sum-in-grad/) 16K / 8K blocks with it are best for 64 KB rows
-    # (1.12x against 1.20x at 32000 columns; 1.15x end to end, 1.23x before), while shorter rows
-    # and fp32 128 KB rows keep the first-pass sum (1.14x against 1.22x at 16032 columns, 1.22x
-    # against 1.41x for fp32); longer rows keep the first-pass sum with their plain config.
-    # (80bfd87 summed in the second pass over 2D tiles with 16K / 16K blocks: slower; whole
-    # blocks without a mask, SPLIT, were 2-15% slower with label smoothing.)
+    # Label smoothing's sum of logits: taken in the second pass (SUM_IN_GRAD) for 32-64 KB
+    # rows, where the plain config summing in the first pass was slow (why is not known: it
+    # does not spill); in the first pass with 4K / 8K blocks elsewhere up to 128 KB, where the
+    # second-pass sum was slower; longer rows keep their plain config.
     sum_in_grad = smoothing and 32768 < row_bytes <= 65536
     if sum_in_grad:
         block, grad_block, warps = 16384, 8192, 8
     elif smoothing and row_bytes <= 131072:
         block, grad_block, warps = 4096, 8192, 8 if row_bytes <= 65536 else 16
-    # L2 eviction: the first read keeps the row (evict_last), the second lets it go
-    # (evict_first). The gradient's writes evict_first: 0.5-2.4% faster into a new buffer
-    # (271 against 272 us at 16032 columns, 529 against 539 at 32000, 2610 against 2673 at
-    # 128256) and 2-4% in place on rows over 32 KB, but 1.7% slower in place on 32 KB rows
-    # (282 against 278 us at 16032), which stay unhinted (2026-12-03, scripts/diag_inplace.py,
-    # both rounds alike; tuning/h200-2026-12-03-hints-*).
+    # the gradient's stores evict_first: faster, except in place on rows up to 32 KB
     store = "" if inplace and row_bytes <= 32768 else "evict_first"
     return dict(BLOCK=max(vec, _block(v_local, block)), VEC=vec,
-                GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps, programs_per_sm=0,
-                SPLIT=False, SUM_IN_GRAD=sum_in_grad, FIRST_HINT="evict_last",
-                SECOND_HINT="evict_first", STORE_HINT=store)
+                GRAD_BLOCK=_block(v_local, grad_block), num_warps=warps,
+                SUM_IN_GRAD=sum_in_grad, STORE_HINT=store)
 
 
 #: Up to this many tokens ``count`` is one single-program launch, else PyTorch's reduction
@@ -744,9 +694,7 @@ def _pdl(device: torch.device) -> bool:
     dependent launch (Hopper and later): the count kernel lets the fused kernel start at once,
     and the fused kernel waits for the count only when it needs it, after a row's first read;
     the reduction is launched before the fused kernel has finished and waits for it first. Two
-    launch gaps (the count's ~4.7 us at 16384 tokens) overlap the work: on the H200 the mean's
-    forward takes 2-7 us less (0.280 against 0.283 ms at 16384 x 16032, 0.605 against 0.611 ms
-    with label smoothing at 32000; tuning/h200-2026-12-03-pdl-ab/).
+    launch gaps then overlap work (a few us off a mean's forward on the H200).
 
     Why it is safe: before its wait the fused kernel reads the logits and targets, which the
     kernels before the count kernel had finished (the count kernel itself is launched the usual
@@ -764,7 +712,7 @@ def _pdl(device: torch.device) -> bool:
 
 def _chain(on: bool) -> dict:
     """The keywords of a kernel launched with programmatic dependent launch (none when off, so
-    Triton releases without the option launch as before)."""
+    Triton releases without the option still launch)."""
     return dict(GDC=True, launch_pdl=True) if on else {}
 
 
@@ -788,17 +736,15 @@ def count(target, ignore_index, memo=None):
     return out
 
 
-def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=None):
+def forward_grad(view, dview, target, loss, lse, count, opts, memo=None):
     """Per-token loss and lse, and into ``dview`` the gradient of the sum (``count`` None) or of
     the mean over ``count`` tokens, for an upstream gradient of 1: the fused path of a reduced
-    loss when one shard holds the whole vocabulary. ``config`` overrides ``fused_config``."""
+    loss when one shard holds the whole vocabulary."""
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     mean = count is not None
-    cfg = dict(config or fused_config(v_local, x.dtype, opts.smoothing > 0,
-                                      dview.tensor is x))
-    per_sm = cfg.pop("programs_per_sm")
-    grid = (min(n, per_sm * multiprocessors(x.device)),) if per_sm else (n,)
+    cfg = fused_config(v_local, x.dtype, opts.smoothing > 0, dview.tensor is x)
+    grid = (n,)  # a program per row
     args = (x, dview.tensor, target, loss, lse, count if mean else lse,
             n, v_local, view.D1, view.s0, view.s1, dview.s0, dview.s1, target.stride(0), *opts)
 
@@ -809,7 +755,7 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None, config=
         return dict(MEAN=mean, HAS_SMOOTHING=opts.smoothing > 0, HAS_Z=opts.z_loss != 0, **cfg,
                     **chain)
 
-    if memo is None or config is not None:
+    if memo is None:
         launch(_ce_forward_grad_kernel, grid, *args, **kwargs())
     else:
         launch_memo(memo, ("forward_grad", mean), _ce_forward_grad_kernel, grid, args, kwargs)
