@@ -4,7 +4,7 @@
 Megatron-LM-style flags; defaults from a YAML file given by ``--config`` (command-line flags win).
 Runs under ``torchrun`` on CPU (gloo) or GPU (nccl), chosen automatically::
 
-    torchrun --nproc-per-node 2 scripts/pretrain_gpt.py --config configs/tiny_gpt_tp2.yaml
+    torchrun --nproc-per-node 2 examples/pretrain_gpt.py --config examples/configs/tiny_gpt_tp2.yaml
 
 Data: by default real text needing no download, the Python standard library's source files,
 tokenized by a byte-level BPE tokenizer trained on the fly (``tokenizers``); ``--synthetic-data``
@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_yaml(path: str) -> dict:
-    """The config file: PyYAML when installed, else flat ``key: value`` lines (what configs/ holds)."""
+    """The config file: PyYAML when installed, else flat ``key: value`` lines (what
+    examples/configs/ holds)."""
     try:
         import yaml
     except ImportError:

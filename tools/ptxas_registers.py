@@ -1,6 +1,6 @@
 """Registers and spills of the fused kernel's configs for sm_90, without a GPU.
 
-    TRITON_INTERPRET=0 python scripts/ptxas_registers.py [--dtype bf16|fp32] \
+    TRITON_INTERPRET=0 python tools/ptxas_registers.py [--dtype bf16|fp32] \
         [--configs 16384:16384:8:1:0,4096:8192:8:1:0,...]
 
 Each config is ``BLOCK:GRAD_BLOCK:num_warps:HAS_SMOOTHING:SUM_IN_GRAD``. The kernel is compiled
@@ -8,8 +8,8 @@ to PTX for Hopper with Triton's own toolchain and assembled by the ptxas that sh
 (``ptxas-blackwell`` where present: the older one rejects newer PTX), whose ``-v`` report gives
 the registers per thread and the bytes spilled. The kernel is specialized as a launch over
 contiguous (16384, 32000) logits is (``specialize``: 16-byte aligned rows, so 16-byte loads);
-compiled without that, as this script did until session 12, it is a different program with
-2-byte loads and about twice the registers.
+compiled without that, it is a different program with 2-byte loads and about twice the
+registers.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vocab_parallel_loss.kernels import cross_entropy as K
-from vocab_parallel_loss.kernels._launch import PINNED  # compile as every launch does
+from vocab_parallel_loss.kernels import logits as K
+from vocab_parallel_loss.kernels.launch import PINNED  # compile as every launch does
 
 
 def launch_ints(v: int, n: int = 16384) -> dict:
     """The integer arguments of a launch over contiguous ``(n, v)`` logits held by one shard
-    (``_layout.row_view``: D1 = n, s0 = 0, s1 = v) with contiguous targets and upstream
+    (``layout.row_view``: D1 = n, s0 = 0, s1 = v) with contiguous targets and upstream
     gradient."""
     return dict(N=n, V_local=v, D1=n, s0=0, s1=v, d0=0, d1=v, tgt_stride=1, dloss_stride=1,
                 vocab_start=0, V_global=v, ignore_index=-100)
@@ -54,8 +54,8 @@ def specialize(sig: dict, consts: dict, v: int) -> dict:
     marked divisible by 16. Returns the ``attrs`` for ``ASTSource``; ``sig`` is updated.
 
     Without it the compiler cannot prove the rows 16-byte aligned and emits 2-byte loads: a
-    different program from the one launched (before session 12, these scripts compiled that
-    one, and reported 233-255 registers for the fused kernel where the launched one has 117)."""
+    different program from the one launched (233-255 registers for the fused kernel where the
+    launched one has 117)."""
     divisible = [name for name, t in sig.items() if t.startswith("*")]
     for name, value in launch_ints(v).items():
         if name not in sig:

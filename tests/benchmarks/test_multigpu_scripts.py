@@ -1,7 +1,8 @@
-"""The issue-7 multi-GPU scripts on CPU: the scaling benchmark under torchrun (2 gloo ranks, tiny
+"""The multi-GPU scripts on CPU: the scaling benchmark under torchrun (2 gloo ranks, tiny
 shapes), its JSON and the run summary; ``run_multigpu.sh``'s plan for an 8-GPU machine (dry run).
 
-The GPU runs themselves (nccl, TP = 2, 4, 8) need the multi-GPU machine: ``scripts/run_multigpu.sh``.
+The GPU runs themselves (nccl, TP = 2, 4, 8) need the multi-GPU machine:
+``benchmarks/run_multigpu.sh``.
 """
 
 import importlib.util
@@ -16,7 +17,8 @@ import pytest
 
 from tests._torchrun import REPO, run_torchrun
 
-BENCH = REPO / "scripts" / "bench_scaling.py"
+BENCHMARKS = REPO / "benchmarks"
+BENCH = BENCHMARKS / "bench_scaling.py"
 
 
 @pytest.mark.distributed
@@ -66,7 +68,7 @@ def test_bench_scaling_cpu_smoke(tmp_path):
         (run_dir / "pretrain" / f"tp2_{variant}.json").write_text(json.dumps(dict(
             losses=losses, first_loss=losses[0], final_loss=losses[-1], step_time_s=0.1,
             tokens_per_s=1e5, peak_memory_gib=None, train_iters=2, device="cpu")))
-    subprocess.run([sys.executable, str(REPO / "scripts" / "summarize_multigpu.py"), str(run_dir),
+    subprocess.run([sys.executable, str(BENCHMARKS / "summarize_multigpu.py"), str(run_dir),
                     "--mode", "cpu", "--ngpus", "2"], check=True, timeout=60)
     summary = (run_dir / "summary.md").read_text()
     assert "53 cases passed on 2 ranks" in summary
@@ -79,7 +81,7 @@ def test_bench_scaling_cpu_smoke(tmp_path):
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_run_multigpu_plan_for_eight_gpus(tmp_path):
     env = dict(os.environ, DRY_RUN="1", MODE="gpu", OUT=str(tmp_path / "out"))
-    proc = subprocess.run(["bash", str(REPO / "scripts" / "run_multigpu.sh"), "8"], cwd=REPO, env=env,
+    proc = subprocess.run(["bash", str(BENCHMARKS / "run_multigpu.sh"), "8"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     plan = proc.stdout
@@ -92,6 +94,6 @@ def test_run_multigpu_plan_for_eight_gpus(tmp_path):
             assert f"--tensor-model-parallel-size {tp} " in plan
             assert f"pretrain/tp{tp}_{variant}.json" in plan
     assert "--native-loss --cross-entropy-loss-fusion" in plan
-    assert "--nproc-per-node=8 scripts/bench_scaling.py --out-dir" in plan
+    assert "--nproc-per-node=8 benchmarks/bench_scaling.py --out-dir" in plan
     assert "TRITON_INTERPRET=1" not in plan  # the GPU runs compile the kernels
     assert not (tmp_path / "out").exists()  # a dry run writes nothing

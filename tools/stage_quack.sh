@@ -4,18 +4,18 @@
 # quack-kernels 0.6.4 with the CUTLASS DSL it pins, 4.6.2: quack 0.6.5 allows DSL >= 4.7, but its
 # linear cross entropy does not import with 4.8.x (its compile-cache key rejects a DSL
 # ContextVar) and its modules need 4.8's layout; 0.6.4 + 4.6.2 imports both quack.cross_entropy
-# and quack.linear_cross_entropy (checked on CPU, session 7). The DSL's CUDA 13 libraries
+# and quack.linear_cross_entropy (checked on CPU). The DSL's CUDA 13 libraries
 # (nvidia-cutlass-dsl-libs-cu13, ~60 MiB as tar.xz) are more than one device call may carry next
 # to the working tree and the other wheels (64 MiB). So the libraries travel as two parts, in two calls made
 # while the machine stays warm (/tmp survives between them):
 #
-#   here, once:      bash scripts/stage_quack.sh pack
+#   here, once:      bash tools/stage_quack.sh pack
 #                    (wheels into .whl/, the libraries as .whl/quack/libs_cu13.tar.xz.part00/01)
-#   device call 1:   bash scripts/stage_quack.sh keep .whl/quack/libs_cu13.tar.xz.part00
+#   device call 1:   bash tools/stage_quack.sh keep .whl/quack/libs_cu13.tar.xz.part00
 #                    (carry that part and .whl/all, a folder of hard links to the wheels), and
 #                    install .whl/all/*.whl into /tmp/site (pip --target) in the same call
-#   device call 2:   bash scripts/stage_quack.sh unpack .whl/quack/libs_cu13.tar.xz.part01 /tmp/site
-#                    (carry the other part), then run scripts/bench.py with
+#   device call 2:   bash tools/stage_quack.sh unpack .whl/quack/libs_cu13.tar.xz.part01 /tmp/site
+#                    (carry the other part), then run benchmarks/bench_logits.py with
 #                    PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 #                    (pip --target skips the .pth file that puts dsl_packages on the path).
 #

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Issue 7: the multi-GPU run, all of it: NCCL tensor-parallel tests, Megatron GPT pretraining (ours
+# The multi-GPU run, all of it: NCCL tensor-parallel tests, Megatron GPT pretraining (ours
 # vs megatron-core native / native fused) and the TP scaling benchmark, with a markdown summary.
 #
-#   bash scripts/run_multigpu.sh [NGPUS]
+#   bash benchmarks/run_multigpu.sh [NGPUS]
 #
 # NGPUS: default `nvidia-smi -L | wc -l`; without a GPU: 2 CPU ranks over gloo (a smoke run of the
 # whole pipeline on tiny shapes, TRITON_INTERPRET=1 for the Triton tests; not a measurement).
@@ -12,11 +12,11 @@
 #   summary.md, summary.json   the tables (tests, pretraining, scaling), the status of every step
 #   env.txt               GPUs, NVLink topology, versions
 #   logs/<step>.log       each step's output; logs/<step>.status: start, exit code, seconds, command
-#   pretrain/tp<T>_<variant>.json   scripts/pretrain_gpt.py --json-output
-#   scaling/scaling.{json,md,png}   scripts/bench_scaling.py
+#   pretrain/tp<T>_<variant>.json   examples/pretrain_gpt.py --json-output
+#   scaling/scaling.{json,md,png}   benchmarks/bench_scaling.py
 # The summary is rewritten after every step: a run cut short keeps what it did. Outputs of several
 # calls (e.g. STEPS="tests scaling", then STEPS=pretrain) merge by copying them into one folder
-# and running: python scripts/summarize_multigpu.py DIR --mode gpu --ngpus N
+# and running: python benchmarks/summarize_multigpu.py DIR --mode gpu --ngpus N
 #
 # Environment knobs (all optional):
 #   STEPS="tests pretrain scaling"    which parts to run, in that order
@@ -32,12 +32,12 @@
 #
 # On a lent multi-GPU machine (megatron-core 0.19.2 carried as a wheel in .whl/), one call each:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && STEPS="tests scaling" bash scripts/run_multigpu.sh
-#   ... && STEPS=pretrain bash scripts/run_multigpu.sh
+#     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site && STEPS="tests scaling" bash benchmarks/run_multigpu.sh
+#   ... && STEPS=pretrain bash benchmarks/run_multigpu.sh
 # (2 GPUs: likely all steps in one call of 10 minutes; 4 or 8: split as above. Estimates: no GPU
 # run of this script has happened yet.)
 #
-# NVLink multicast stays off (issue 7), exported so that every subprocess inherits it.
+# NVLink multicast stays off, exported so that every subprocess inherits it.
 set -uo pipefail
 
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -89,7 +89,7 @@ FAILED=()
 
 summarize() {
   [ "$DRY_RUN" = 1 ] && return 0
-  "$PY" "$REPO/scripts/summarize_multigpu.py" "$OUTDIR" --mode "$MODE" --ngpus "$NGPUS" \
+  "$PY" "$REPO/benchmarks/summarize_multigpu.py" "$OUTDIR" --mode "$MODE" --ngpus "$NGPUS" \
     > "$OUTDIR/logs/summarize.log" 2>&1 || echo "   (summary failed: see $OUTDIR/logs/summarize.log)"
 }
 
@@ -172,23 +172,23 @@ fi
 # ------------------------------------------------------------------------ (b) Megatron GPT
 if [[ " $STEPS " == *" pretrain "* ]]; then
   if [ "$MODE" = gpu ]; then
-    pt_config=configs/gpt_h200.yaml
+    pt_config=examples/configs/gpt_h200.yaml
     pt_env=(-u TRITON_INTERPRET)
     pt_iters=${PRETRAIN_ITERS:-20}
   else
     # our loss takes its PyTorch path on CPU without TRITON_INTERPRET: seconds, not minutes
-    pt_config=configs/tiny_gpt_tp2.yaml
+    pt_config=examples/configs/tiny_gpt_tp2.yaml
     pt_env=(-u TRITON_INTERPRET OMP_NUM_THREADS=1)
     pt_iters=${PRETRAIN_ITERS:-3}
   fi
   has_fused_linear=0
-  grep -q -- "--vocab-parallel-loss-fused-linear" scripts/pretrain_gpt.py && has_fused_linear=1
+  grep -q -- "--vocab-parallel-loss-fused-linear" examples/pretrain_gpt.py && has_fused_linear=1
   for t in $TPS; do
     extra=()
     if [ "$MODE" = cpu ]; then
       extra=(--synthetic-data --micro-batch-size 2 --seq-length 64 --timing-skip-iters 1)
     elif [ "$t" = 1 ]; then
-      extra=(--micro-batch-size 2)  # one GPU, as configs/gpt_h200.yaml says
+      extra=(--micro-batch-size 2)  # one GPU, as examples/configs/gpt_h200.yaml says
     fi
     for variant in $PRETRAIN_VARIANTS; do
       iters=$pt_iters
@@ -211,7 +211,7 @@ if [[ " $STEPS " == *" pretrain "* ]]; then
       esac
       # shellcheck disable=SC2086
       step "pretrain_tp${t}_$variant" "${TIMEOUT_PRETRAIN:-300}" "${pt_env[@]}" -- \
-        $(torchrun_cmd "$t" scripts/pretrain_gpt.py) --config "$pt_config" \
+        $(torchrun_cmd "$t" examples/pretrain_gpt.py) --config "$pt_config" \
         --tensor-model-parallel-size "$t" --train-iters "$iters" --no-progress-bar \
         "${extra[@]}" "${vargs[@]}" ${PRETRAIN_ARGS:-} \
         --json-output "$OUTDIR/pretrain/tp${t}_$variant.json"
@@ -230,7 +230,7 @@ if [[ " $STEPS " == *" scaling "* ]]; then
   fi
   # shellcheck disable=SC2086
   step scaling "${TIMEOUT_SCALING:-420}" "${sc_env[@]}" -- \
-    $(torchrun_cmd "$NGPUS" scripts/bench_scaling.py) "${sc_args[@]}" --out-dir "$OUTDIR/scaling" ${BENCH_ARGS:-}
+    $(torchrun_cmd "$NGPUS" benchmarks/bench_scaling.py) "${sc_args[@]}" --out-dir "$OUTDIR/scaling" ${BENCH_ARGS:-}
 fi
 
 if [ "$DRY_RUN" = 1 ]; then

@@ -1,15 +1,15 @@
 """Instruction budget of the kernels over logits, without a GPU: registers (ptxas for sm_90) and
 PTX instructions by opcode, per variant.
 
-    TRITON_INTERPRET=0 python scripts/ptx_ops.py [--kernel backward|forward|fused] [--v 32000]
+    TRITON_INTERPRET=0 python tools/ptx_ops.py [--kernel backward|forward|fused] [--v 32000]
 
 ``fused`` is the reduced loss's kernel (``_ce_forward_grad_kernel``, the mean, out of place).
 
 The kernels stream memory at 4-6 B per element, so a change to the per-element arithmetic can
 be checked here first, and what it costs or saves is in the counts. (The counts do not tell the
-whole story: session 11 took label smoothing's per-element subtraction out of the backward, 305
-against 309 instructions per block of 16 elements per thread, and on the H200 it stayed 5%
-slower than plain at 32 warps, yet matched plain at 8 warps: ``backward_config``.) Counts are
+whole story: taking label smoothing's per-element subtraction out of the backward saved 4 of 309
+instructions per block of 16 elements per thread, and on the H200 it stayed 5% slower than plain
+at 32 warps, yet matched plain at 8 warps: ``backward_config``.) Counts are
 per kernel, for the block each thread streams per loop step (``elements/thread``, printed), so
 compare variants per element when their configs differ.
 Pointers and the row sizes are specialised as a real launch of aligned tensors would be (16-byte
@@ -27,10 +27,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from ptxas_registers import (OPTIONS, PTR, SIGNATURES, constexpr_defaults,  # scripts/
+from ptxas_registers import (OPTIONS, PTR, SIGNATURES, constexpr_defaults,  # tools/
                              ptxas_verbose, specialize)
-from vocab_parallel_loss.kernels import cross_entropy as K
-from vocab_parallel_loss.kernels._launch import PINNED
+from vocab_parallel_loss.kernels import logits as K
+from vocab_parallel_loss.kernels.launch import PINNED
 
 def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z: bool):
     """(registers, Counter of PTX opcodes, elements per thread per loop step, 16-byte global

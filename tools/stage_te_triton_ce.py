@@ -1,15 +1,16 @@
 """Build the ``te-triton-ce`` wheel: TransformerEngine's Triton cross entropy, on its own.
 
-    python3 scripts/stage_te_triton_ce.py [--version 2.20.2] [--out .whl]
+    python3 tools/stage_te_triton_ce.py [--version 2.20.2] [--out .whl]
 
 TransformerEngine's ``parallel_cross_entropy`` is three pure-Python files over Triton, but
 ``transformer_engine.pytorch`` needs the ``transformer_engine_torch`` C++ extension, which has
-no wheel for the H200 machine's torch 2.11 / CUDA 13. So bench.py (the ``te`` and ``te_inplace``
-peers) and bench_scaling.py fall back to ``te_triton_ce``: this script downloads the released
-``transformer-engine`` wheel (pure Python, its C++ parts come in other wheels), takes those three
-files unchanged except for their imports, adds a stand-in for TE's ``no_torch_dynamo`` decorator
-and TE's license, and writes ``te_triton_ce-<version>-py3-none-any.whl`` into ``--out``.
-The device then installs it with the other wheels (``docs/NOTES.md``, running the benchmarks).
+no wheel for the H200 machine's torch 2.11 / CUDA 13. So benchmarks/bench_logits.py (the ``te``
+and ``te_inplace`` peers) and benchmarks/bench_scaling.py fall back to ``te_triton_ce``: this
+script downloads the released ``transformer-engine`` wheel (pure Python, its C++ parts come in
+other wheels), takes those three files unchanged except for their imports, adds a stand-in for
+TE's ``no_torch_dynamo`` decorator and TE's license, and writes
+``te_triton_ce-<version>-py3-none-any.whl`` into ``--out``. The device then installs it with the
+other wheels (``tools/device_peers.sh install``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ IMPORTS = {
         "from te_triton_ce._jit import no_torch_dynamo",
 }
 JIT = '''"""Stand-in for transformer_engine.pytorch.jit.no_torch_dynamo (written by
-vocab_parallel_loss's scripts/stage_te_triton_ce.py): the call is not traced by Dynamo."""
+vocab_parallel_loss's tools/stage_te_triton_ce.py): the call is not traced by Dynamo."""
 import torch
 
 
@@ -46,7 +47,7 @@ def no_torch_dynamo(recursive=True, when=None):  # ``when`` is not used by cross
     return lambda f: torch._dynamo.disable(f, recursive=recursive)
 '''
 INIT = '''"""TransformerEngine's Triton cross entropy, extracted from transformer-engine {version}
-(Apache-2.0, see LICENSE) by vocab_parallel_loss's scripts/stage_te_triton_ce.py."""
+(Apache-2.0, see LICENSE) by vocab_parallel_loss's tools/stage_te_triton_ce.py."""
 from te_triton_ce.cross_entropy import parallel_cross_entropy  # noqa: F401
 '''
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""Markdown summary of a ``scripts/run_multigpu.sh`` output directory (issue 7).
+"""Markdown summary of a ``benchmarks/run_multigpu.sh`` output directory.
 
-    python scripts/summarize_multigpu.py OUTDIR [--mode gpu|cpu] [--ngpus N]
+    python benchmarks/summarize_multigpu.py OUTDIR [--mode gpu|cpu] [--ngpus N]
 
 Reads ``logs/<step>.status`` and ``logs/<step>.log``, ``pretrain/tp<T>_<variant>.json`` and
 ``scaling/scaling.{json,md}``; writes ``OUTDIR/summary.md`` (and ``summary.json`` with the same
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
             scaling = None
 
     env = (out / "env.txt").read_text(errors="replace") if (out / "env.txt").exists() else ""
-    lines = [f"# Multi-GPU run (issue 7): mode {a.mode}, {a.ngpus} ranks", ""]
+    lines = [f"# Multi-GPU run: mode {a.mode}, {a.ngpus} ranks", ""]
     if a.mode == "cpu":
         lines += ["**CPU smoke run (gloo, tiny shapes): checks the pipeline, not a measurement.**", ""]
     head = [ln for ln in env.splitlines() if ln.split(":")[0] in ("date_utc", "commit", "host")]
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
 
     pt_summary = []
     if runs:
-        lines += ["## Megatron GPT pretraining (scripts/pretrain_gpt.py)", ""]
+        lines += ["## Megatron GPT pretraining (examples/pretrain_gpt.py)", ""]
         any_run = next(iter(runs.values()))
         lines.append(
             f"{any_run.get('device')}, megatron-core {any_run.get('megatron_core')}, torch {any_run.get('torch')}; "
@@ -151,7 +151,7 @@ def main(argv=None) -> int:
 
     if scaling is not None:
         md = (out / "scaling" / "scaling.md").read_text() if (out / "scaling" / "scaling.md").exists() else ""
-        lines += ["## Scaling benchmark (scripts/bench_scaling.py)", ""]
+        lines += ["## Scaling benchmark (benchmarks/bench_scaling.py)", ""]
         tp8 = [s for s in scaling.get("scaling", []) if s["tp"] == 8]
         for s in tp8:
             c = s.get("collective_over_kernel")
