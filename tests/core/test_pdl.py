@@ -1,4 +1,4 @@
-"""Programmatic dependent launch of the fused path of a mean (``_pdl`` in kernels/cross_entropy.py).
+"""Programmatic dependent launch of the fused path of a mean (``_pdl`` in kernels/logits.py).
 
 What can be checked without a GPU: when it is on, and that the chained kernels compile for
 Hopper (sm_90) with the grid-dependency instructions where the safety argument needs them. On
@@ -39,19 +39,36 @@ def test_on_unless_turned_off_and_never_off_cuda(monkeypatch, env, on):
 
 
 # Compiles the three kernels for sm_90 (no GPU needed) and reports, per kernel, the order of the
-# grid-dependency instructions and the global loads in the PTX.
-_PROBE = r'''
-import json, sys
+# grid-dependency instructions and the global loads in the PTX. The run-time signature is read
+# off each kernel's parameters (types by name, as a launch over bf16 logits passes them) and every
+# constexpr left unset takes its default (ASTSource applies none), so a new parameter or constexpr
+# of a kernel needs no change here.
+_PROBE = r"""
+import inspect, json, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from vocab_parallel_loss.kernels import logits as K
-sys.path.insert(0, "scripts")
-from ptxas_registers import constexpr_defaults, signature
 
-def ptx(fn, sig, consts, warps):
-    consts = constexpr_defaults(fn, consts)  # every constexpr, unset ones at their defaults
-    sig = {**sig, **{name: "constexpr" for name in consts}}
+def arg_type(name):
+    if name in ("x_ptr", "dx_ptr"):
+        return "*bf16"
+    if name in ("tgt_ptr", "count_ptr"):
+        return "*i64"
+    if name.endswith("_ptr"):
+        return "*fp32"
+    if name in ("s0", "s1", "d0", "d1"):
+        return "i64"
+    if name in ("smoothing", "z_loss"):
+        return "fp32"
+    return "i32"
+
+def ptx(fn, consts, warps):
+    sig = {p.name: arg_type(p.name) for p in fn.params if not p.is_constexpr}
+    unset = {p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts
+             and p.default is not inspect.Parameter.empty}
+    consts = {**unset, **consts}
+    sig.update({name: "constexpr" for name in consts})
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     return k.asm["ptx"]
@@ -67,22 +84,15 @@ def order(text):
     return out
 
 gdc = sys.argv[1] == "1"
-count_sig = {"tgt_ptr": "*i64", "count_ptr": "*i64", "N": "i32", "tgt_stride": "i32",
-             "ignore_index": "i32"}
-reduce_sig = {"loss_ptr": "*fp32", "tgt_ptr": "*i64", "out_ptr": "*fp32", "count_ptr": "*i64",
-              "N": "i32", "tgt_stride": "i32", "ignore_index": "i32"}
-fused_sig = signature("bf16")  # the launched signature, kept in scripts/ptxas_registers.py
 print(json.dumps({
-    "count": order(ptx(K._ce_count_kernel, count_sig, dict(BLOCK=4096, GDC=gdc), 16)),
-    "reduce": order(ptx(K._ce_reduce_kernel, reduce_sig,
-                        dict(MEAN=True, COUNTED=True, BLOCK=4096, GDC=gdc), 16)),
-    "fused": order(ptx(K._ce_forward_grad_kernel, fused_sig,
+    "count": order(ptx(K._ce_count_kernel, dict(BLOCK=4096, GDC=gdc), 16)),
+    "reduce": order(ptx(K._ce_reduce_kernel, dict(MEAN=True, COUNTED=True, BLOCK=4096, GDC=gdc),
+                        16)),
+    "fused": order(ptx(K._ce_forward_grad_kernel,
                        dict(MEAN=True, HAS_SMOOTHING=False, HAS_Z=False, BLOCK=1024, VEC=8,
-                            GRAD_BLOCK=1024, SPLIT=False, GDC=gdc, SUM_IN_GRAD=False,
-                            FIRST_HINT="evict_last", SECOND_HINT="evict_first", STORE_HINT=""),
-                       8)),
+                            GRAD_BLOCK=1024, SPLIT=False, GDC=gdc, SUM_IN_GRAD=False), 8)),
 }))
-'''
+"""
 
 
 def _compiled_order(gdc: bool) -> dict:
