@@ -8,8 +8,8 @@ Each variant runs in its own subprocess (Liger patches classes; peak memory star
 is forward + backward (gradient checkpointing on by default, as in fine-tuning, so that the
 (tokens x 128256) logits dominate); gradients are dropped between steps, no optimizer state.
 
-    python scripts/bench_hf.py --out-dir runs/bench_hf                 # H200
-    python scripts/bench_hf.py --tiny --out-dir /tmp/bench_hf_tiny     # CPU smoke test
+    python benchmarks/bench_hf.py --out-dir runs/bench_hf                 # H200
+    python benchmarks/bench_hf.py --tiny --out-dir /tmp/bench_hf_tiny     # CPU smoke test
 
 Writes ``results.json`` and ``results.md`` to ``--out-dir``.
 """
@@ -24,6 +24,11 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+from _common import Device  # noqa: E402
 
 VARIANTS = ("transformers", "vocab_parallel_loss", "liger")
 
@@ -72,10 +77,11 @@ def _run_variant(args) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cuda = torch.cuda.is_available() and not args.tiny
-    device = torch.device("cuda" if cuda else "cpu")
+    dev = Device("cuda" if cuda else "cpu", flush="none")  # whole steps: no L2 flush
+    device = dev.torch
     dtype = torch.bfloat16 if cuda else torch.float32
     info = {"variant": args.variant, "transformers": transformers.__version__,
-            "torch": torch.__version__, "device": torch.cuda.get_device_name() if cuda else "cpu"}
+            "torch": torch.__version__, "device": dev.name() if cuda else "cpu"}
 
     if args.variant == "liger":
         try:
@@ -83,7 +89,7 @@ def _run_variant(args) -> dict:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except Exception as exc:  # not installed, or incompatible with this transformers
             return {**info, "skipped": f"liger-kernel not importable: {exc!r}"}
-        info["liger_kernel"] = getattr(liger_kernel, "__version__", None) or _dist_version("liger-kernel")
+        info["liger_kernel"] = getattr(liger_kernel, "__version__", None) or common.version("liger-kernel")
         # only the head: same model code otherwise, as for the other two variants
         apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
@@ -122,25 +128,18 @@ def _run_variant(args) -> dict:
         model.zero_grad(set_to_none=True)
         return loss, logits_shape
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
-
     losses = []
     for _ in range(args.warmup):
         loss, logits_shape = step()
         losses.append(loss.item())
-    sync()
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+    dev.empty_cache()
+    base = dev.reset_peak()
     times = []
-    for _ in range(args.steps):
-        sync()
+    for _ in range(args.steps):  # whole steps, host clock after a sync: they are long
+        dev.sync()
         t0 = time.perf_counter()
         loss, logits_shape = step()
-        sync()
+        dev.sync()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     info.update(
@@ -156,42 +155,35 @@ def _run_variant(args) -> dict:
     if cuda:
         info.update(
             weights_and_base_gib=base / 2**30,
-            peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+            peak_gib=dev.peak() / 2**30,
             peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
         )
     return info
 
 
-def _dist_version(name):
-    try:
-        from importlib.metadata import version
-
-        return version(name)
-    except Exception:
-        return None
-
-
-def _markdown(results, args) -> str:
+def _markdown(results, args, meta) -> str:
+    rows = []
+    for r in results:
+        if "error" in r or "skipped" in r:
+            rows.append((r["variant"], r.get("error") or r.get("skipped"), "", "", "", ""))
+            continue
+        rows.append((r["variant"], common.fmt(r.get("peak_gib"), ".2f", "n/a"),
+                     common.fmt(r.get("weights_and_base_gib"), ".2f", "n/a"),
+                     f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}",
+                     f"{r['first_loss']:.5f}"))
+    env = next((r for r in results if "torch" in r), {})
     lines = [
         f"Llama {'tiny' if args.tiny else '~1.2B (Llama-3.2-1B shape)'}, random weights, "
         f"batch {args.batch} x seq {args.seq} = {args.batch * args.seq} tokens, "
         f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}, forward+backward; "
         f"median of {args.steps} steps after {args.warmup} warm-up.",
         "",
-        "| variant | peak memory (GiB) | allocated before steps (GiB) | step (s) | tokens/s | first loss |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        *common.table(["variant", "peak memory (GiB)", "allocated before steps (GiB)", "step (s)",
+                       "tokens/s", "first loss"], rows, "lrrrrr"),
+        "",
+        f"torch {env.get('torch')}, transformers {env.get('transformers')}, "
+        f"{env.get('device')}, python {platform.python_version()}, commit `{meta.get('commit')}`",
     ]
-    for r in results:
-        if "error" in r or "skipped" in r:
-            lines.append(f"| {r['variant']} | {r.get('error') or r.get('skipped')} | | | | |")
-            continue
-        peak = f"{r['peak_gib']:.2f}" if "peak_gib" in r else "n/a"
-        base = f"{r['weights_and_base_gib']:.2f}" if "weights_and_base_gib" in r else "n/a"
-        lines.append(f"| {r['variant']} | {peak} | {base} | {r['step_s_median']:.3f} | "
-                     f"{r['tokens_per_s']:.0f} | {r['first_loss']:.5f} |")
-    env = next((r for r in results if "torch" in r), {})
-    lines += ["", f"torch {env.get('torch')}, transformers {env.get('transformers')}, "
-                  f"{env.get('device')}, python {platform.python_version()}"]
     return "\n".join(lines) + "\n"
 
 
@@ -200,9 +192,11 @@ def main(argv=None):
     if args.variant:
         print("RESULT " + json.dumps(_run_variant(args)), flush=True)
         return
-    os.makedirs(args.out_dir, exist_ok=True)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": here + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    common.use_checkout_package()
+    # the variants measure the package this process imports (PYTHONPATH's, else the checkout's)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(common.package_dir().parent), os.environ.get("PYTHONPATH")]))}
+    meta = common.environment()
     results = []
     passthrough = list(argv if argv is not None else sys.argv[1:])
     for variant in [v for v in args.variants.split(",") if v]:
@@ -221,11 +215,9 @@ def main(argv=None):
         r["wall_s"] = time.time() - t0
         results.append(r)
         print(json.dumps(r), flush=True)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=2)
-    md = _markdown(results, args)
-    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(md)
+    md = _markdown(results, args, meta)
+    common.write_report(Path(args.out_dir) / "results",
+                        {"meta": meta, "args": vars(args), "results": results}, md)
     print(md)
 
 

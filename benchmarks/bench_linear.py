@@ -1,13 +1,13 @@
-"""Fused linear cross entropy on one GPU, side by side with its peers (issue 5's table).
+"""Fused linear cross entropy on one GPU, side by side with its peers.
 
-    python scripts/bench_linear.py                       # the table: N=16384, H=4096, V in {128256, 16032}
-    python scripts/bench_linear.py --sweep               # tile sweep of ours first, then the table with the best
-    python scripts/bench_linear.py --config '{"fwd_block_v": 128}' --impls ours
-    TRITON_INTERPRET=1 python scripts/bench_linear.py --smoke-cpu --n 64 --h 32 --vocab 301   # plumbing
+    python benchmarks/bench_linear.py              # the table: N=16384, H=4096, V in {128256, 16032}
+    python benchmarks/bench_linear.py --sweep      # tile sweep of ours first, then the table with the best
+    python benchmarks/bench_linear.py --config '{"fwd_block_v": 128}' --impls ours
+    TRITON_INTERPRET=1 python benchmarks/bench_linear.py --smoke-cpu --n 64 --hidden 32 --vocab 301
 
 Each implementation runs forward + backward (``torch.autograd.grad`` of e and c) in bf16, for
 ``reduction="mean"`` and for ``reduction="none"`` with a non-uniform per-token upstream gradient.
-Reported: median ms (``triton.testing.do_bench``), TFLOP/s counted as 6NHV/time (a scalar loss can
+Reported: median ms (CUDA events, L2 flushed before each call), TFLOP/s counted as 6NHV/time (a scalar loss can
 form both gradients in forward) and 8NHV/time (per-token loss: logits recomputed in backward),
 peak memory above the inputs during the step, with and without the gradients left behind, and
 the loss error against an fp32 reference. Peers that are not importable are skipped with a note.
@@ -20,54 +20,29 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import sys
 import traceback
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+from _common import Device  # noqa: E402
 
-from vocab_parallel_loss.kernels import linear_cross_entropy as K  # noqa: E402
-from vocab_parallel_loss.linear_cross_entropy import linear_cross_entropy  # noqa: E402
+common.use_checkout_package()
+
+from vocab_parallel_loss import linear_cross_entropy  # noqa: E402
+from vocab_parallel_loss.kernels import linear as K  # noqa: E402
+from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
 
 GiB = 2**30
-DEV = "cuda"  # --smoke-cpu switches to "cpu" (plumbing check under TRITON_INTERPRET=1)
-
-
-def _sync():
-    if DEV == "cuda":
-        torch.cuda.synchronize()
-
-
-def _mem_reset():
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-    return 0
-
-
-def _mem_peak():
-    return torch.cuda.max_memory_allocated() if DEV == "cuda" else 0
-
-
-def _empty_cache():
-    if DEV == "cuda":
-        torch.cuda.empty_cache()
+DEV: Device = None  # main(): the GPU, or the CPU with --smoke-cpu (plumbing under TRITON_INTERPRET=1)
 
 
 def _bench(fn, warmup, rep):
-    if DEV == "cuda":
-        return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-    import time
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    return DEV.bench(fn, warmup, rep)
 
 
 # ----------------------------------------------------------------------------------- peers
@@ -84,12 +59,12 @@ def make_ours_gif():
     def fn(e, c, t, red):
         if red == "none":
             raise ValueError("grad_in_forward applies to scalar losses only")
-        saved = K.OVERRIDE_CONFIG
-        K.OVERRIDE_CONFIG = K.default_config(e.device).replace(grad_in_forward="always")
+        saved = C.OVERRIDE_CONFIG
+        C.OVERRIDE_CONFIG = C.default_config(e.device).replace(grad_in_forward="always")
         try:
             return linear_cross_entropy(e, c, t, reduction=red, impl="triton"), (e, c)
         finally:
-            K.OVERRIDE_CONFIG = saved
+            C.OVERRIDE_CONFIG = saved
     return fn
 
 
@@ -186,12 +161,12 @@ def measure(fn, e, c, t, red, up, warmup, rep):
 
     loss, grads = step()  # compile / autotune
     del grads
-    _sync()
+    DEV.sync()
     # memory: second run, previous outputs freed; the gradients left behind are counted
-    base = _mem_reset()
+    DEV.empty_cache()
+    base = DEV.reset_peak()
     loss, grads = step()
-    _sync()
-    peak = _mem_peak() - base
+    peak = (DEV.peak() or 0) - base
     grad_bytes = sum(g.numel() * g.element_size() for g in grads)
     loss_val = loss.detach().float().clone()
     del grads, loss
@@ -202,11 +177,11 @@ def measure(fn, e, c, t, red, up, warmup, rep):
 def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
     rows, notes = [], []
     for n, h, v in shapes:
-        g = torch.Generator(device=DEV).manual_seed(0)
-        e = (torch.randn(n, h, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
-        c = (torch.randn(v, h, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
-        t = torch.randint(0, v, (n,), device=DEV, generator=g)
-        up = torch.rand(n, device=DEV, generator=g) + 0.5
+        g = torch.Generator(device=DEV.torch).manual_seed(0)
+        e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
+        c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
+        t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
+        up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
         ref = reference_loss(e.detach(), c.detach(), t)
         for name in impls:
             try:
@@ -227,7 +202,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
                     notes.append(msg)
                     print(msg, flush=True)
                     traceback.print_exc()
-                    _empty_cache()
+                    DEV.empty_cache()
                     continue
                 want = ref.mean() if red == "mean" else ref
                 err = (loss.reshape(want.shape) - want).abs().max().item()
@@ -239,9 +214,9 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
                            max_loss_err=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-                _empty_cache()
+                DEV.empty_cache()
         del e, c, t, up, ref
-        _empty_cache()
+        DEV.empty_cache()
     notes += [x for x in PEER_NOTES if x not in notes]
     return rows, notes
 
@@ -261,7 +236,7 @@ def markdown(rows, notes, meta):
         lines.append(f"| {r['v']} | {r['reduction']} | {r['impl']} | {r['ms']:.2f} | "
                      f"{r['tflops_6nhv']:.0f} | {r['tflops_8nhv']:.0f} | {r['peak_extra_GiB']:.3f} | "
                      f"{r['peak_extra_minus_grads_GiB']:.3f} | {r['max_loss_err']:.2e} |")
-    lines += ["", "Targets (issue 5): mean >= 700 TFLOP/s at 6NHV (<= 73.7 ms at V=128256, "
+    lines += ["", "Targets: mean >= 700 TFLOP/s at 6NHV (<= 73.7 ms at V=128256, "
               "<= 9.2 ms at V=16032); none >= 650 at 8NHV; peak extra <= 0.25 GiB."]
     if notes:
         lines += ["", "Notes:"] + [f"- {x}" for x in notes]
@@ -327,11 +302,11 @@ SWEEP_TMA_AB = [
     dict(bwd_desc=False),
     dict(fwd_flat=False),
     dict(fwd_stages=4, bwd_stages=4),
-    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (session 10: no faster)
+    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (measured: no faster)
     dict(bwd_store_desc=True, bwd_flat=True),
 ]
 # the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
-# --n: 16384 rows chose 5 before session 9, 4096 rows 17, 65536 rows 2
+# --n: 16384 rows once chose 5, 4096 rows 17, 65536 rows 2
 SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
 # alternated twice: the current choice at 16384 rows (6 at V=128256, 7 at 16032) against a floor
 # of ceil(SMs / GROUP_N) = 9 splits (all programs in flight within one group of row blocks) and 17
@@ -343,17 +318,17 @@ SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEE
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):
-    g = torch.Generator(device=DEV).manual_seed(0)
-    e = (torch.randn(n, h, device=DEV, generator=g) * 0.5).bfloat16().requires_grad_()
-    c = (torch.randn(v, h, device=DEV, generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device=DEV, generator=g)
-    up = torch.rand(n, device=DEV, generator=g) + 0.5
-    base = K.default_config(e.device)
+    g = torch.Generator(device=DEV.torch).manual_seed(0)
+    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
+    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
+    up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
+    base = C.default_config(e.device)
     results = []
     ref = None  # the first config's per-token loss and gradients, to check every other one
     for delta in sweep_list:
         cfg = base.replace(**delta)
-        K.OVERRIDE_CONFIG = cfg
+        C.OVERRIDE_CONFIG = cfg
         red = "mean" if delta.get("grad_in_forward", "never") != "never" else "none"
         try:
             with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
@@ -382,17 +357,18 @@ def sweep(n, h, v, warmup, rep, sweep_list):
                  rel_diff_loss_de_dc=diff)
         print("sweep", json.dumps(r), flush=True)
         results.append(r)
-    K.OVERRIDE_CONFIG = None
+    C.OVERRIDE_CONFIG = None
     return results
 
 
 # ----------------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, default=16384)
-    ap.add_argument("--h", type=int, default=4096)
+    ap.add_argument("--n", type=int, default=16384, help="tokens")
+    # not --h: the CUTLASS DSL (imported with quack) parses sys.argv at import and reads --h as --help
+    ap.add_argument("--hidden", type=int, default=4096, help="hidden size H")
     ap.add_argument("--vocab", type=int, nargs="+", default=[128256, 16032])
     ap.add_argument("--impls", nargs="+",
                     default=["ours", "ours_gif", "torch", "cce", "liger", "quack"],
@@ -404,68 +380,63 @@ def main() -> None:
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--sweep-set", default="modes", choices=list(SWEEPS),
                     help="which list of config deltas --sweep runs")
-    ap.add_argument("--warmup", type=int, default=25, help="ms (do_bench)")
-    ap.add_argument("--rep", type=int, default=200, help="ms (do_bench)")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up calls per measurement")
+    ap.add_argument("--rep", type=int, default=200, help="ms of timed calls per measurement")
+    ap.add_argument("--out", default=str(common.RESULTS), help="folder of the .json and .md")
     ap.add_argument("--smoke-cpu", action="store_true",
-                    help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--h/--vocab)")
-    args = ap.parse_args()
+                    help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--hidden/--vocab)")
+    return ap.parse_args(argv)
 
+
+def sweep_markdown(sweep_rows) -> str:
+    lines = ["", "Sweep (ours; fwd = no-grad forward):", ""]
+    lines += common.table(
+        ["V", "delta", "reduction", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
+         "6NHV TFLOP/s", "8NHV TFLOP/s", "extra GiB", "rel. diff loss, dE, dC vs first"],
+        [(r["v"], f"`{json.dumps(r['delta'])}`", r["reduction"], r["fwd_ms"], r["ms"],
+          r["fwd_tflops"], r["bwd_tflops"], r["tflops_6nhv"], r["tflops_8nhv"],
+          r["peak_extra_minus_grads_GiB"], r.get("rel_diff_loss_de_dc")) for r in sweep_rows])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
     global DEV
-    if args.smoke_cpu:
-        DEV = "cpu"
-    dev = torch.device(DEV)
+    DEV = Device("cpu" if args.smoke_cpu else "cuda")
+    dev = DEV.torch
     if args.config:
-        K.OVERRIDE_CONFIG = K.default_config(dev).replace(**json.loads(args.config))
+        C.OVERRIDE_CONFIG = C.default_config(dev).replace(**json.loads(args.config))
     sweep_rows = []
     if args.sweep or args.sweep_only:
         for sv in args.sweep_vocab:
             sweep_rows += [dict(r, v=sv) for r in
-                           sweep(args.n, args.h, sv, args.warmup, args.rep, SWEEPS[args.sweep_set])]
+                           sweep(args.n, args.hidden, sv, args.warmup, args.rep,
+                                 SWEEPS[args.sweep_set])]
         plain = [r for r in sweep_rows if r["reduction"] == "none"]
-        if plain and len(args.sweep_vocab) == 1:  # the table's "ours" uses the best default-path config; ours_gif adds gif
+        # the table's "ours" uses the best default-path config; ours_gif adds gif
+        if plain and len(args.sweep_vocab) == 1:
             best = min(plain, key=lambda r: r["ms"])
             print(f"best sweep config: {json.dumps(best['delta'])} ({best['ms']} ms)", flush=True)
-            K.OVERRIDE_CONFIG = K.default_config(dev).replace(**best["delta"])
-    cfg = K.default_config(dev)
-    meta = dict(device=torch.cuda.get_device_name(dev) if DEV == "cuda" else "cpu-smoke",
-                commit=os.environ.get("BENCH_COMMIT") or os.environ.get("GIT_COMMIT"),
-                torch=torch.__version__,
-                triton=triton.__version__,
-                time=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            C.OVERRIDE_CONFIG = C.default_config(dev).replace(**best["delta"])
+    cfg = C.default_config(dev)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
                 config=dataclasses.asdict(cfg), cublas_fp32_out=dict(K.TORCH_DTYPE_MM))
+    if args.smoke_cpu:
+        meta["device"] = "cpu-smoke"
     rows, notes = [], []
     if not args.sweep_only:
-        shapes = [(args.n, args.h, v) for v in args.vocab]
+        shapes = [(args.n, args.hidden, v) for v in args.vocab]
         rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
                                 cfg)
     meta["cublas_fp32_out"] = dict(K.TORCH_DTYPE_MM)  # after use: False where it fell back
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M")
-    tag = meta["device"].replace(" ", "_").lower()
-    path = out / f"linear_{tag}_{stamp}"
-    path.with_suffix(".json").write_text(json.dumps(dict(meta=meta, rows=rows, notes=notes,
-                                                         sweep=sweep_rows), indent=1))
-    md = markdown(rows, notes, meta)
-    if sweep_rows:
-        md += "\nSweep (ours; fwd = no-grad forward):\n\n"
-        md += ("| V | delta | reduction | fwd ms | fwd+bwd ms | fwd TFLOP/s | bwd TFLOP/s | "
-               "6NHV TFLOP/s | 8NHV TFLOP/s | extra GiB | rel. diff loss, dE, dC vs first |\n"
-               "|---|---|---|---|---|---|---|---|---|---|---|\n")
-        for r in sweep_rows:
-            md += (f"| {r['v']} | `{json.dumps(r['delta'])}` | {r['reduction']} | {r['fwd_ms']} | {r['ms']} | "
-                   f"{r['fwd_tflops']} | {r['bwd_tflops']} | {r['tflops_6nhv']} | "
-                   f"{r['tflops_8nhv']} | {r['peak_extra_minus_grads_GiB']} | "
-                   f"{r.get('rel_diff_loss_de_dc')} |\n")
-    path.with_suffix(".md").write_text(md)
+    md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
+    stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
+    report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows)
+    written = common.write_report(stem, report, md)
     print(md)
-    print(f"wrote {path}.json and .md")
-    if os.environ.get("OUT"):  # the device runner's output folder
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / path.with_suffix(".json").name).write_text(
-            path.with_suffix(".json").read_text())
-        (Path(os.environ["OUT"]) / path.with_suffix(".md").name).write_text(md)
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return report
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 #!/usr/bin/env python
-"""Side-by-side benchmark of cross-entropy implementations on one GPU (issue 4).
+"""Side-by-side benchmark of cross-entropy implementations over logits on one GPU.
 
 Every implementation runs on the same inputs in the same process: this package (default and
 ``inplace_backward=True``), torch eager (input dtype, and cast to fp32), ``torch.compile`` of the
 fp32 cast, megatron-core native and fused, TransformerEngine's Triton ``parallel_cross_entropy``
 (default and ``overwrite_input=True``), Liger, quack (default and in-place) and apex xentropy.
-Peers that cannot be imported are skipped with the reason, in the output as well. Shapes: the
-issue's five bf16 shapes, then fp32 input, label smoothing 0.1 and z-loss 1e-4 on 16384 x 32000
+Peers that cannot be imported are skipped with the reason, in the output as well. Shapes: five
+bf16 shapes, then fp32 input, label smoothing 0.1 and z-loss 1e-4 on 16384 x 32000
 (each only for the implementations that support it).
 
 Two paths per shape: ``none`` (per-token loss, backward with a random non-uniform fp32 upstream
@@ -23,32 +23,25 @@ Writes ``<gpu>-<date>.json``, ``.md`` and ``.png`` into ``--out-dir`` (default
 ``benchmarks/results``). The JSON is rewritten after every shape, so a run cut short keeps what
 it measured.
 
-    python scripts/bench.py                      # full run on the GPU (about 5-6 minutes)
-    python scripts/bench.py --quick              # smoke run: small shapes, short timings
-    python scripts/bench.py --dry-run            # CPU, tiny shapes: checks the whole pipeline
-    python scripts/bench.py --shapes 16384x16032,16384x32000-fp32 --impls ours,liger --paths none
+    python benchmarks/bench_logits.py                 # full run on the GPU (about 5-6 minutes)
+    python benchmarks/bench_logits.py --quick         # smoke run: small shapes, short timings
+    python benchmarks/bench_logits.py --dry-run       # CPU, tiny shapes: checks the whole pipeline
+    python benchmarks/bench_logits.py --shapes 16384x16032,16384x32000-fp32 --impls ours,liger --paths none
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
-import hashlib
-import importlib.util
 import json
 import os
-import platform
 import re
 import socket
-import statistics
-import subprocess
 import sys
 import time
 import traceback
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, Optional
 
@@ -56,12 +49,11 @@ import torch
 import torch._dynamo
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parents[1]
-# This checkout's package unless one is importable already: PYTHONPATH=<other tree> then measures
-# that tree (an A/B), which an unconditional insert here silently overrode. The report records
-# which package ran (meta.package_dir, source_hash).
-if importlib.util.find_spec("vocab_parallel_loss") is None:
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+from _common import Device, fmt, log  # noqa: E402
+
+common.use_checkout_package()
 
 
 # --------------------------------------------------------------------------------------- cases
@@ -108,9 +100,9 @@ class Case:
         return Case(int(m.group(1)), int(m.group(2)), dtype, ls, z)
 
 
-# The issue's shapes (N tokens x V_local): Llama-2 32K, Llama-3 128K, Gemma 256K, Llama-3 over TP8
+# The shapes (N tokens x V_local): Llama-2 32K, Llama-3 128K, Gemma 256K, Llama-3 over TP8
 # (128256 / 8 = 16032), and the same shard with 4x the tokens; then fp32 input, label smoothing
-# and z-loss on one shape (the issue: each within 5% of bf16 per-token in bytes-normalised time).
+# and z-loss on one shape (each should be within 5% of bf16 per-token in bytes-normalised time).
 FULL_CASES = [Case(16384, 32000), Case(16384, 128256), Case(8192, 256000), Case(16384, 16032),
               Case(65536, 16032), Case(16384, 32000, "fp32"), Case(16384, 32000, smoothing=0.1),
               Case(16384, 32000, z_loss=1e-4)]
@@ -121,77 +113,7 @@ DRY_CASES = [Case(64, 1000), Case(48, 512, "fp32"), Case(48, 512, smoothing=0.1)
 PATHS = ("none", "mean")
 
 
-# ------------------------------------------------------------------------------------- device
-class Device:
-    """Timing, synchronisation and memory statistics for CUDA, with a perf_counter CPU stand-in."""
-
-    def __init__(self, kind: str, flush: str = "dirty", gpu_lead_us: float = 0.0):
-        self.kind = kind
-        # a GPU sleep queued before each rep's flush: the GPU then has work ahead while the host
-        # issues the rep, so a host slower than a short step cannot leave the GPU waiting inside
-        # the timed region (scripts/diag_host_bound.py; ~1980 cycles per us on the H200)
-        self._lead_cycles = int(gpu_lead_us * 1980) if kind == "cuda" else 0
-        self.cuda = kind == "cuda"
-        self.torch = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        # 256 MiB zeroed before each timed rep evicts the logits' tail from L2 (60 MB on the H200),
-        # as triton.testing.do_bench does; that leaves L2 dirty, and the timed forward pays for
-        # writing it back (13 us of a 135 us kernel: scripts/diag_l2_flush.py). "clean" reads
-        # another 256 MiB after the zeroing, untimed, so the write-back happens before the rep.
-        self._flush = torch.empty(256 << 20, dtype=torch.uint8, device=self.torch) if self.cuda else None
-        self._sweep = (torch.ones(128 << 20, dtype=torch.bfloat16, device=self.torch)
-                       if self.cuda and flush == "clean" else None)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def flush_l2(self) -> None:
-        if self._lead_cycles:
-            torch.cuda._sleep(self._lead_cycles)
-        if self._flush is not None:
-            self._flush.zero_()
-        if self._sweep is not None:
-            torch.amax(self._sweep)
-
-    def stamp(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
-
-    def reset_peak(self) -> int:
-        """Frees what it can, resets the peak, returns the bytes allocated now (the baseline)."""
-        gc.collect()
-        if not self.cuda:
-            return 0
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.memory_allocated()
-
-    def peak(self) -> Optional[int]:
-        if not self.cuda:
-            return None
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated()
-
-    def name(self) -> str:
-        return torch.cuda.get_device_name() if self.cuda else (platform.processor() or "cpu")
-
-    def sm_clock_mhz(self) -> Optional[int]:
-        """The SM clock now (NVML through torch; None without pynvml or a GPU): sampled in the
-        middle of the timed reps, to tell a slow GPU from a slow kernel."""
-        if not self.cuda:
-            return None
-        try:
-            return int(torch.cuda.clock_rate(self.torch))
-        except Exception:  # pynvml missing, or NVML unavailable here
-            return None
-
-
+# ---------------------------------------------------------------------------------- process
 class Env:
     """Lazily created process state shared by adapters: the 1-rank process group, Megatron."""
 
@@ -503,9 +425,9 @@ def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: Reference, dev:
         if len(stamps) == reps // 2 + 1:  # the GPU still has reps queued: its working clock
             res.sm_clock_mhz = dev.sm_clock_mhz()
     dev.sync()
-    res.fwd_ms = statistics.median(dev.ms(a, b) for a, b, _ in stamps)
-    res.bwd_ms = statistics.median(dev.ms(b, c) for _, b, c in stamps)
-    res.total_ms = statistics.median(dev.ms(a, c) for a, _, c in stamps)
+    res.fwd_ms = dev.median_ms((a, b) for a, b, _ in stamps)
+    res.bwd_ms = dev.median_ms((b, c) for _, b, c in stamps)
+    res.total_ms = dev.median_ms((a, c) for a, _, c in stamps)
     res.reps = reps
 
 
@@ -541,31 +463,9 @@ def measure_bandwidth(dev: Device, gib: float) -> dict:
         b = dev.stamp()
         times.append((a, b))
     dev.sync()
-    ms = statistics.median(dev.ms(a, b) for a, b in times)
+    ms = dev.median_ms(times)
     del src, dst
     return {"copy_bytes": nbytes, "copy_ms": ms, "copy_TBps": 2 * nbytes / (ms * 1e-3) / 1e12}
-
-
-def _time_host(fn: Callable[[], object], n: int, dev: Device, runs: int = 3) -> dict:
-    """Host time per call (CPU timer, launches only), and wall time per call once synced:
-    the mean over ``n`` calls in each of ``runs`` runs, the median run reported, and the best
-    run too (scripts/host_overhead.py reports the best of three: a mean over a run also holds
-    whatever else the host did meanwhile)."""
-    for _ in range(10):
-        fn()
-    host, wall = [], []
-    for _ in range(runs):
-        dev.sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        t1 = time.perf_counter()
-        dev.sync()
-        t2 = time.perf_counter()
-        host.append((t1 - t0) / n * 1e6)
-        wall.append((t2 - t0) / n * 1e6)
-    return {"host_us": statistics.median(host), "host_us_best": min(host),
-            "wall_us": statistics.median(wall), "calls": n, "runs": runs}
 
 
 @functools.lru_cache(maxsize=None)
@@ -592,15 +492,15 @@ def measure_host_overhead(dev: Device, n_calls: int) -> dict:
     t = torch.randint(0, 128, (8,), device=dev.torch)
     g = torch.rand(8, device=dev.torch)
     out = {"shape": [8, 128],
-           "forward": _time_host(lambda: cross_entropy(x, t), n_calls, dev),
-           "forward_backward": _time_host(
-               lambda: torch.autograd.grad(cross_entropy(x, t), x, g), n_calls, dev),
-           "yardstick_torch_empty_x2": _time_host(
+           "forward": dev.host_us(lambda: cross_entropy(x, t), n_calls),
+           "forward_backward": dev.host_us(
+               lambda: torch.autograd.grad(cross_entropy(x, t), x, g), n_calls),
+           "yardstick_torch_empty_x2": dev.host_us(
                lambda: (torch.empty(8, device=dev.torch), torch.empty(8, device=dev.torch)),
-               n_calls, dev)}
+               n_calls)}
     try:
         noop, buf = _noop_kernel(), torch.empty(16, device=dev.torch)
-        out["yardstick_triton_launch"] = _time_host(lambda: noop[(1,)](buf, 8), n_calls, dev)
+        out["yardstick_triton_launch"] = dev.host_us(lambda: noop[(1,)](buf, 8), n_calls)
     except Exception as e:  # no Triton here (or no interpreter on CPU): the other figures stand
         out["yardstick_triton_launch"] = {"error": f"{type(e).__name__}: {e}"}
     if dev.cuda:
@@ -615,7 +515,7 @@ def measure_host_overhead(dev: Device, n_calls: int) -> dict:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 cross_entropy(xs, t)
-            out["forward_graph_replay"] = _time_host(graph.replay, n_calls, dev)
+            out["forward_graph_replay"] = dev.host_us(graph.replay, n_calls)
         except Exception as e:  # keep the eager figures if the capture fails
             out["forward_graph_replay"] = {"error": f"{type(e).__name__}: {e}"}
     return out
@@ -651,66 +551,19 @@ def measure_collective(env: Env, n: int) -> dict:
                 fn()
                 stamps.append((a, dev.stamp()))
             dev.sync()
-            out[name] = {"us_median": statistics.median(dev.ms(a, b) for a, b in stamps) * 1e3,
-                         **_time_host(fn, 200 if dev.cuda else 20, dev)}
+            out[name] = {"us_median": dev.median_ms(stamps) * 1e3,
+                         **dev.host_us(fn, 200 if dev.cuda else 20)}
         except Exception as e:  # e.g. a backend without all_gather_into_tensor
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
 
 
 # ------------------------------------------------------------------------------------- output
-def _commit() -> Optional[str]:
-    # an explicit commit first: a copied tree (the GPU machine's) may hold a stale .git
-    named = os.environ.get("BENCH_COMMIT") or os.environ.get("GIT_COMMIT")
-    if named:
-        return named
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True, timeout=10).stdout.strip()
-    except Exception:
-        return None
-
-
-def _package_dir() -> Path:
-    import vocab_parallel_loss
-
-    return Path(vocab_parallel_loss.__file__).resolve().parent
-
-
-def _source_hash() -> str:
-    """sha256 of the imported package's sources: identifies the code measured where git is
-    absent."""
-    h = hashlib.sha256()
-    pkg = _package_dir()
-    for p in sorted(pkg.rglob("*.py")):
-        h.update(p.relative_to(pkg.parent).as_posix().encode())
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
 def _version(dist_name: Optional[str]) -> Optional[str]:
-    if dist_name is None:
-        return None
-    try:
-        return metadata.version(dist_name)
-    except metadata.PackageNotFoundError:
-        if dist_name == "transformer-engine":
-            try:
-                return "te-triton-ce " + metadata.version("te-triton-ce")
-            except metadata.PackageNotFoundError:
-                return None
-        return None
+    return common.version(dist_name)
 
 
-def slug(s: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", s.lower()).strip("-") or "device"
-
-
-def _fmt(v, spec: str) -> str:
-    return "" if v is None else format(v, spec)
-
-
-def write_markdown(report: dict, path: Path) -> None:
+def markdown(report: dict) -> str:
     m = report["meta"]
     lines = [f"# Cross-entropy benchmark: {m['device']} ({m['date']})", "",
              f"torch {m['torch']}, triton {m['triton']}, commit `{m['commit']}`, sources "
@@ -738,17 +591,17 @@ def write_markdown(report: dict, path: Path) -> None:
         for impl in impls:
             by_case = {r["case"]: r for r in rows if r["impl"] == impl}
             lines.append(f"| {impl} | " + " | ".join(
-                _fmt(by_case[c]["ratio"], ".2f") if c in by_case else "-" for c in cases) + " |")
+                fmt(by_case[c]["ratio"], ".2f") if c in by_case else "-" for c in cases) + " |")
         extra = " | ratio vs 6 B" if path_name == "mean" else ""
         lines += ["", f"## Details: {title}", "",
                   f"| impl | shape | fwd ms | bwd ms | total ms | ratio{extra} | mem | loss err "
                   "| grad err | reps |", "|---" * (10 + bool(extra)) + "|"]
         for r in rows:
-            r6 = f" | {_fmt(r['ratio_6b'], '.2f')}" if extra else ""
+            r6 = f" | {fmt(r['ratio_6b'], '.2f')}" if extra else ""
             lines.append(
-                f"| {r['impl']} | {r['case']} | {_fmt(r['fwd_ms'], '.3f')} | {_fmt(r['bwd_ms'], '.3f')} "
-                f"| {_fmt(r['total_ms'], '.3f')} | {_fmt(r['ratio'], '.2f')}{r6} | {_fmt(r['mem_x_logits'], '.2f')} "
-                f"| {_fmt(r['loss_err'], '.1e')} | {_fmt(r['grad_err'], '.1e')} | {r['reps']} |")
+                f"| {r['impl']} | {r['case']} | {fmt(r['fwd_ms'], '.3f')} | {fmt(r['bwd_ms'], '.3f')} "
+                f"| {fmt(r['total_ms'], '.3f')} | {fmt(r['ratio'], '.2f')}{r6} | {fmt(r['mem_x_logits'], '.2f')} "
+                f"| {fmt(r['loss_err'], '.1e')} | {fmt(r['grad_err'], '.1e')} | {r['reps']} |")
         lines.append("")
     others = [r for r in report["results"] if r["status"] != "ok"]
     if report["skipped"] or others:
@@ -787,7 +640,7 @@ def write_markdown(report: dict, path: Path) -> None:
                                f"{v['wall_us']:.1f} us wall")
                   for k, v in h.items() if isinstance(v, dict)]
         lines.append("")
-    path.write_text("\n".join(lines))
+    return "\n".join(lines)
 
 
 def write_plot(report: dict, path: Path) -> None:
@@ -831,7 +684,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, CPU-capable impls only: checks the pipeline")
     p.add_argument("--shapes", type=lambda s: [Case.parse(x) for x in s.split(",") if x],
-                   help="comma list of NxV[-fp32][-ls0.1][-z1e-4] (default: the issue's shapes)")
+                   help="comma list of NxV[-fp32][-ls0.1][-z1e-4] (default: the full shapes)")
     p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x],
                    help=f"comma list from: {', '.join(IMPLS)}")
     p.add_argument("--paths", type=lambda s: [x for x in s.split(",") if x], default=list(PATHS),
@@ -867,12 +720,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.shapes is None:
         args.shapes = {"full": FULL_CASES, "quick": QUICK_CASES, "dry": DRY_CASES}[mode]
     if args.out_dir is None:
-        args.out_dir = Path("/tmp/vpl-bench-dry") if args.dry_run else REPO / "benchmarks" / "results"
+        args.out_dir = Path("/tmp/vpl-bench-dry") if args.dry_run else common.RESULTS
     return args
-
-
-def log(msg: str, t0: float = time.perf_counter()) -> None:
-    print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
 def main(argv=None) -> dict:
@@ -887,18 +736,11 @@ def main(argv=None) -> dict:
         torch._dynamo.config.accumulated_cache_size_limit, 512)
     env = Env(dev)
     start = time.perf_counter()
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    now = datetime.datetime.now(datetime.timezone.utc)
-    stem = (f"{slug(dev.name())}-{now:%Y-%m-%d}" + ("-quick" if args.quick else "")
-            + ("-clean-l2" if args.flush == "clean" else "")
-            + ("-gpu-lead" if args.gpu_lead_us else ""))
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    files = {k: args.out_dir / f"{stem}.{k}" for k in ("json", "md", "png")}
+    meta = common.environment(dev)
+    stem = args.out_dir / (f"{common.slug(dev.name())}-{meta['date']}"
+                           + ("-quick" if args.quick else "")
+                           + ("-clean-l2" if args.flush == "clean" else "")
+                           + ("-gpu-lead" if args.gpu_lead_us else ""))
 
     # implementations: build every selected adapter once; a failure skips it with the reason
     selected = args.impls or list(IMPLS)
@@ -915,15 +757,11 @@ def main(argv=None) -> dict:
             skipped[name] = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     for name, why in skipped.items():
         log(f"skip {name}: {why}")
-    log(f"vocab_parallel_loss from {_package_dir()}")
+    log(f"vocab_parallel_loss from {meta['package_dir']}")
 
     report = {
-        "meta": {"device": dev.name(), "device_slug": slug(dev.name()), "date": f"{now:%Y-%m-%d}",
-                 "time_utc": now.isoformat(timespec="seconds"), "mode": args.mode,
+        "meta": {**meta, "device_slug": common.slug(dev.name()), "mode": args.mode,
                  "flush": args.flush, "gpu_lead_us": args.gpu_lead_us,
-                 "torch": torch.__version__, "triton": triton_version,
-                 "cuda": torch.version.cuda, "python": platform.python_version(),
-                 "commit": _commit(), "source_hash": _source_hash(), "package_dir": str(_package_dir()),
                  "versions": {n: _version(IMPLS[n].package) for n in fns},
                  "settings": {k: getattr(args, k) for k in ("budget", "min_reps", "max_reps", "warmup")},
                  "cases": [c.name for c in args.shapes], "paths": args.paths,
@@ -932,22 +770,16 @@ def main(argv=None) -> dict:
         "notes": env.notes, "skipped": skipped, "hbm": {}, "collective": {}, "host_overhead": {}, "results": [],
     }
 
-    def save():
-        files["json"].write_text(json.dumps(report, indent=1))
-        write_markdown(report, files["md"])
-        try:
-            write_plot(report, files["png"])
-        except ImportError as e:  # matplotlib is optional: the JSON and the table are written
-            log(f"no plot: {e}")
+    def save():  # matplotlib is optional: the JSON and the table are written without it
+        return common.write_report(stem, report, markdown(report), write_plot)
 
     report["hbm"] = measure_bandwidth(dev, args.bw_gib)
     bw = report["hbm"]["copy_TBps"] * 1e12
     log(f"{dev.name()}: copy bandwidth {report['hbm']['copy_TBps']:.3f} TB/s")
     if not args.no_extras:
         # the host overhead before and after the collective has made a process group (a
-        # training process always has one). On the H200 the group made no difference beyond
-        # the spread between processes (session 11: 41.7 / 44.1 us and 39.5 / 29.9 us per
-        # forward, before / after, in two processes)
+        # training process always has one); on the H200 the group made no difference beyond
+        # the spread between processes
         calls = 1000 if dev.cuda else 50
         for key, fn in (("host_overhead_no_group", lambda: measure_host_overhead(dev, calls)),
                         ("collective", lambda: measure_collective(env, 16384)),
@@ -982,7 +814,7 @@ def main(argv=None) -> dict:
                         res.bw_fraction = 1.0 / res.ratio
                         log(f"{case.name:>20} {path:4} {name:16} fwd {res.fwd_ms:8.3f} bwd "
                             f"{res.bwd_ms:8.3f} total {res.total_ms:8.3f} ms  ratio {res.ratio:5.2f}  "
-                            f"mem {_fmt(res.mem_x_logits, '.2f'):>5}  err {res.loss_err:.1e}/{res.grad_err:.1e}"
+                            f"mem {fmt(res.mem_x_logits, '.2f'):>5}  err {res.loss_err:.1e}/{res.grad_err:.1e}"
                             + (f"  sm {res.sm_clock_mhz} MHz" if res.sm_clock_mhz else ""))
                     except Exception as e:
                         res.status = "error"
@@ -997,9 +829,9 @@ def main(argv=None) -> dict:
             del ref
         del inp
         save()
-    save()
+    written = save()
     env.close()
-    log(f"wrote {', '.join(str(p) for p in files.values())}")
+    log(f"wrote {', '.join(str(p) for p in written)}")
     return report
 
 

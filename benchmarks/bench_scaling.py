@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Tensor-parallel scaling of the vocab-parallel cross entropy (issue 7), under torchrun.
+"""Tensor-parallel scaling of the vocab-parallel cross entropy, under torchrun.
 
 Per rank: bf16 logits of shape ``(N, V / TP)`` (N = 16384 tokens per rank by default), for
 V in {128256, 256000}. TP = the world size and, in the same launch, every power-of-two sub-group
@@ -10,10 +10,10 @@ per-rank median), and for this package also:
 
 * ``kernel``: the same local shard with ``tp_group=None`` (targets taken modulo ``V / TP``): the
   single-shard kernel time, without any communication;
-* ``collective``: ``vocab_parallel_loss.distributed.gather_stats`` alone on a ``(4, N)`` fp32
+* ``collective``: ``vocab_parallel_loss.communication.gather_stats`` alone on a ``(4, N)`` fp32
   tensor (the one all-gather of the forward);
 * the collective's share of our total, ``collective / kernel``, and ``ours / kernel - 1`` (the
-  whole cost of TP end to end: collective, merge, skew). Target (issue 7): collective / kernel
+  whole cost of TP end to end: collective, merge, skew). Target: collective / kernel
   <= 5 % at TP = 8.
 
 Peers, each skipped with a note when it cannot run: megatron-core ``tensor_parallel.
@@ -25,9 +25,9 @@ loss is compared with ours (largest absolute difference over ranks).
 Rank 0 writes ``scaling.json``, ``scaling.md`` and (with matplotlib) ``scaling.png`` into
 ``--out-dir``; the JSON is rewritten after every (V, TP), so a run cut short keeps what it measured.
 
-    torchrun --nproc-per-node 8 scripts/bench_scaling.py --out-dir DIR       # nccl, one GPU a rank
-    torchrun --nproc-per-node 1 scripts/bench_scaling.py --out-dir DIR       # one GPU: TP = 1
-    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 scripts/bench_scaling.py --cpu-smoke --out-dir DIR
+    torchrun --nproc-per-node 8 benchmarks/bench_scaling.py --out-dir DIR       # nccl, one GPU a rank
+    torchrun --nproc-per-node 1 benchmarks/bench_scaling.py --out-dir DIR       # one GPU: TP = 1
+    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 benchmarks/bench_scaling.py --cpu-smoke --out-dir DIR
 
 ``--cpu-smoke``: gloo on CPU, tiny shapes, 2 reps: checks the whole pipeline, not a measurement.
 """
@@ -38,20 +38,15 @@ import argparse
 import datetime
 import gc
 import importlib
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 import traceback
-from importlib import metadata
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-# NVLink multicast stays off (issue 7), whatever launched us; read when NCCL creates a communicator
+# NVLink multicast stays off, whatever launched us; read when NCCL creates a communicator
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1")):
     os.environ.setdefault(_k, _v)
@@ -59,14 +54,15 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run without installing the package
-    sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+from _common import Device  # noqa: E402
 
-from vocab_parallel_loss import cross_entropy  # noqa: E402
-from vocab_parallel_loss import distributed as vpl_dist  # noqa: E402
+common.use_checkout_package()
 
-TARGET = 0.05  # issue 7: the collective adds <= 5 % over the single-shard kernel time at TP = 8
+from vocab_parallel_loss import communication, cross_entropy  # noqa: E402
+
+TARGET = 0.05  # the collective adds <= 5 % over the single-shard kernel time at TP = 8
 ALL_IMPLS = ["ours", "megatron_native", "megatron_fused", "te"]
 # megatron's fused loss is built with jit_fuser = torch.compile: minutes of compilation on 2 CPUs
 SMOKE_IMPLS = ["ours", "megatron_native"]
@@ -102,7 +98,7 @@ def parse_args(argv=None):
     a.reps = a.reps or (2 if smoke else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if smoke else 3)
     if a.out_dir is None:
-        a.out_dir = REPO / "benchmarks" / "results" / f"scaling-{datetime.datetime.utcnow():%Y%m%d}"
+        a.out_dir = common.RESULTS / f"scaling-{datetime.datetime.utcnow():%Y%m%d}"
     return a
 
 
@@ -137,34 +133,18 @@ def tp_sizes(args, world: int) -> List[int]:
     return sorted(set(sizes) | {world})
 
 
-class Clock:
-    """CUDA events on the GPU, perf_counter on the CPU; ranks aligned before each timed rep."""
+class Clock(Device):
+    """The benchmarks' clock, with every rank of the world aligned before each timed rep."""
 
     def __init__(self, dev: torch.device):
-        self.dev, self.cuda = dev, dev.type == "cuda"
-        self._flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev) if self.cuda else None
-        self._one = torch.zeros(1, device=dev)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
+        super().__init__(dev)
+        self._one = torch.zeros(1, device=self.torch)
 
     def align(self) -> None:
         """Evict L2, then line every rank of the world up (all sub-groups start together)."""
-        if self._flush is not None:
-            self._flush.zero_()
+        self.flush_l2()
         dist.all_reduce(self._one)
         self.sync()
-
-    def stamp(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -205,19 +185,6 @@ MAKERS: Dict[str, Callable] = {"ours": _ours, "megatron_native": _megatron_nativ
                                "megatron_fused": _megatron_fused, "te": _te}
 PACKAGES = {"ours": "vocab_parallel_loss", "megatron_native": "megatron-core",
             "megatron_fused": "megatron-core", "te": "transformer-engine"}
-
-
-def _version(name: str) -> Optional[str]:
-    for dist_name in ([name, "te-triton-ce"] if name == "transformer-engine" else [name]):
-        try:
-            return metadata.version(dist_name) + ("" if dist_name == name else f" ({dist_name})")
-        except metadata.PackageNotFoundError:
-            continue
-    if name == "vocab_parallel_loss":
-        import vocab_parallel_loss
-
-        return vocab_parallel_loss.__version__
-    return None
 
 
 def all_agree(ok: bool, dev) -> bool:
@@ -270,7 +237,7 @@ def time_collective(group, n_rows: int, dev, clock: Clock, reps: int, warmup: in
     for i in range(warmup + reps):
         clock.align()
         a = clock.stamp()
-        vpl_dist.gather_stats(stats, group)
+        communication.gather_stats(stats, group)
         b = clock.stamp()
         clock.sync()
         if i >= warmup:
@@ -461,26 +428,16 @@ def _fmt_pct(x) -> str:
     return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
-def _commit() -> Optional[str]:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "vocab_parallel_loss"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out + (" (package sources modified)" if dirty else "")
-    except Exception:  # noqa: BLE001 - no git on the device copy
-        return os.environ.get("GIT_COMMIT")
-
-
 def meta(args, dev, world, sizes) -> dict:
+    env = common.environment(Device(dev, flush="none"))
     return dict(
-        date_utc=datetime.datetime.utcnow().isoformat(timespec="seconds"),
-        device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or "cpu"),
+        env,
+        date_utc=env["time_utc"],
         device_type=dev.type, backend=dist.get_backend(), world_size=world, tp_sizes=sizes,
         vocab=args.vocab, tokens_per_rank=args.tokens, dtype="bf16", reps=args.reps,
         warmup=args.warmup, cpu_smoke=bool(args.cpu_smoke), impls=args.impls,
-        versions={"torch": torch.__version__, **{p: _version(p) for p in sorted(set(PACKAGES.values()))}},
-        commit=_commit(), triton_interpret=os.environ.get("TRITON_INTERPRET"),
+        versions={"torch": torch.__version__, **{p: common.version(p) for p in sorted(set(PACKAGES.values()))}},
+        triton_interpret=os.environ.get("TRITON_INTERPRET"),
         env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                             "NVSHMEM_DISABLE_NVLS")},
         method=("per rank: bf16 logits (N, ceil(V/TP)) = randn*2, targets uniform in [0, V) (same on "
@@ -493,18 +450,10 @@ def meta(args, dev, world, sizes) -> dict:
 
 
 def write(report: dict, out_dir: Path, final: bool) -> None:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "scaling.json").write_text(json.dumps(report, indent=2))
-    (out_dir / "scaling.md").write_text(markdown(report))
-    if final:
-        try:
-            plot(report, out_dir / "scaling.png")
-        except ImportError as e:  # matplotlib is optional
-            report["notes"]["plot"] = f"no plot: {e}"
-            (out_dir / "scaling.json").write_text(json.dumps(report, indent=2))
-        except Exception as e:  # noqa: BLE001 - a plot must never lose the numbers
-            report["notes"]["plot"] = f"plot failed: {type(e).__name__}: {e}"
-            (out_dir / "scaling.json").write_text(json.dumps(report, indent=2))
+    """scaling.json and scaling.md, and at the end scaling.png (with matplotlib)."""
+    common.write_report(out_dir / "scaling", report, markdown(report), plot if final else None)
+    if final and "plot" in report["notes"]:  # the reason the plot is missing, in the table too
+        (out_dir / "scaling.md").write_text(markdown(report))
 
 
 def _f(x, fmt=".3f") -> str:
