@@ -64,7 +64,6 @@ class Device:
             dev = torch.device("cuda", torch.cuda.current_device())
         self.torch = dev
         self.cuda = dev.type == "cuda"
-        self.kind = dev.type
         self._lead_cycles = int(gpu_lead_us * _CYCLES_PER_US) if self.cuda else 0
         if flush not in ("dirty", "clean", "none"):
             raise ValueError(f"flush: dirty, clean or none, not {flush!r}")

@@ -484,7 +484,7 @@ def measure_host_overhead(dev: Device, n_calls: int) -> dict:
     """Per-forward host overhead of ours on a tiny input (Python + launches), eager and graphed,
     next to two yardsticks timed in the same process: two bare ``torch.empty`` calls and one
     launch of a one-line Triton kernel through Triton's own launch path. The H200 hosts run the
-    same code at up to 2x different speeds between processes and moments (NOTES, host time);
+    same code at up to 2x different speeds between processes and moments (docs/performance.md);
     the yardsticks say how fast this process's host was."""
     from vocab_parallel_loss import cross_entropy
 
