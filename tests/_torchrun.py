@@ -27,7 +27,7 @@ def run_torchrun(script, nproc: int, *args: str, timeout: float = 900) -> str:
 
 def init_worker_process_group():
     """In a torchrun worker: gloo on CPU (default), or nccl on this rank's GPU when
-    ``VPL_TEST_DEVICE=cuda`` (how scripts/run_multigpu.sh runs the workers). Returns the device."""
+    ``VPL_TEST_DEVICE=cuda`` (how benchmarks/run_multigpu.sh runs the workers). Returns the device."""
     import torch
     import torch.distributed as dist
 

@@ -442,7 +442,7 @@ def test_fused_path_picks_its_config_for_where_the_gradient_goes(impl, monkeypat
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_backward_picks_its_config_for_label_smoothing(impl, monkeypatch, smoothing):
-    """The backward's warp count depends on label smoothing (kernels/cross_entropy.py,
+    """The backward's warp count depends on label smoothing (kernels/logits.py,
     backward_config): the config must be asked with it, and the result must not depend on it."""
     if impl != "triton":
         pytest.skip("the configs are Triton's")

@@ -1,4 +1,4 @@
-"""The fast launch path (kernels/_launch.py): what can be checked without a GPU.
+"""The fast launch path (kernels/launch.py): what can be checked without a GPU.
 
 On the GPU, tests/gpu/test_gpu_core.py checks that the path is taken and gives the same bits.
 """

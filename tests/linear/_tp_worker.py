@@ -10,7 +10,7 @@ first mismatch; prints ``N linear cases passed on W ranks``.
 
 gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
 ``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
-and the fp64 reference is computed on the CPU (``scripts/run_multigpu.sh`` does this).
+and the fp64 reference is computed on the CPU (``benchmarks/run_multigpu.sh`` does this).
 """
 
 from __future__ import annotations

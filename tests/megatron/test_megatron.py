@@ -20,6 +20,8 @@ pytest.importorskip("megatron.core")
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_worker.py"
+PRETRAIN = REPO / "examples" / "pretrain_gpt.py"
+TINY_CONFIG = REPO / "examples" / "configs" / "tiny_gpt_tp2.yaml"
 
 
 def torchrun(args, timeout: float) -> subprocess.CompletedProcess:
@@ -144,13 +146,13 @@ def test_fused_linear_refuses_multi_token_prediction(worker_results):
 def _pretrain(tmp_path, *extra):
     out = tmp_path / "summary.json"
     proc = torchrun([
-        REPO / "scripts" / "pretrain_gpt.py", "--config", REPO / "configs" / "tiny_gpt_tp2.yaml",
+        PRETRAIN, "--config", TINY_CONFIG,
         "--train-iters", "3", "--micro-batch-size", "2", "--seq-length", "32",
         "--vocab-size", "1024", "--data-max-bytes", "200000", "--compare-native",
         "--no-progress-bar", "--json-output", out, *extra,
     ], timeout=240)
     if proc.returncode != 0 or not out.exists():
-        _fail(proc, "scripts/pretrain_gpt.py")
+        _fail(proc, "examples/pretrain_gpt.py")
     return proc, json.loads(out.read_text())
 
 
@@ -170,13 +172,13 @@ def test_pretrain_script_fused_linear_three_steps_tp2(tmp_path):
 def test_pretrain_script_three_steps_tp2(tmp_path):
     out = tmp_path / "summary.json"
     proc = torchrun([
-        REPO / "scripts" / "pretrain_gpt.py", "--config", REPO / "configs" / "tiny_gpt_tp2.yaml",
+        PRETRAIN, "--config", TINY_CONFIG,
         "--train-iters", "3", "--micro-batch-size", "2", "--seq-length", "32",
         "--vocab-size", "1024", "--data-max-bytes", "200000", "--compare-native",
         "--no-progress-bar", "--json-output", out,
     ], timeout=240)
     if proc.returncode != 0 or not out.exists():
-        _fail(proc, "scripts/pretrain_gpt.py")
+        _fail(proc, "examples/pretrain_gpt.py")
     s = json.loads(out.read_text())
     assert s["loss_impl"] == "vocab_parallel_loss" and s["tp"] == 2 and s["world"] == 2
     assert len(s["losses"]) == 3 and all(math.isfinite(x) for x in s["losses"])

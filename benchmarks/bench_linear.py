@@ -1,0 +1,447 @@
+"""Fused linear cross entropy on one GPU, side by side with its peers.
+
+    python benchmarks/bench_linear.py              # the table: N=16384, H=4096, V in {128256, 16032}
+    python benchmarks/bench_linear.py --sweep      # tile sweep of ours first, then the table with the best
+    python benchmarks/bench_linear.py --config '{"fwd_block_v": 128}' --impls ours
+    TRITON_INTERPRET=1 python benchmarks/bench_linear.py --smoke-cpu --n 64 --hidden 32 --vocab 301
+
+Each implementation runs forward + backward (``torch.autograd.grad`` of e and c) in bf16, for
+``reduction="mean"`` and for ``reduction="none"`` with a non-uniform per-token upstream gradient.
+Reported: median ms (CUDA events, L2 flushed before each call), TFLOP/s counted as 6NHV/time (a scalar loss can
+form both gradients in forward) and 8NHV/time (per-token loss: logits recomputed in backward),
+peak memory above the inputs during the step, with and without the gradients left behind, and
+the loss error against an fp32 reference. Peers that are not importable are skipped with a note.
+Results: ``benchmarks/results/linear_<device>_<time>.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as common  # noqa: E402
+from _common import Device  # noqa: E402
+
+common.use_checkout_package()
+
+from vocab_parallel_loss import linear_cross_entropy  # noqa: E402
+from vocab_parallel_loss.kernels import linear as K  # noqa: E402
+
+try:  # LCEConfig, OVERRIDE_CONFIG and default_config
+    from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
+except ImportError:  # the configs in kernels.linear itself
+    C = K
+
+GiB = 2**30
+DEV: Device = None  # main(): the GPU, or the CPU with --smoke-cpu (plumbing under TRITON_INTERPRET=1)
+
+
+def _bench(fn, warmup, rep):
+    return DEV.bench(fn, warmup, rep)
+
+
+# ----------------------------------------------------------------------------------- peers
+
+
+def make_ours(impl="triton"):
+    def fn(e, c, t, red):
+        return linear_cross_entropy(e, c, t, reduction=red, impl=impl), (e, c)
+    return fn
+
+
+def make_ours_gif():
+    """Ours with the gradients formed in forward (scalar losses only; 6NHV, more memory)."""
+    def fn(e, c, t, red):
+        if red == "none":
+            raise ValueError("grad_in_forward applies to scalar losses only")
+        saved = C.OVERRIDE_CONFIG
+        C.OVERRIDE_CONFIG = C.default_config(e.device).replace(grad_in_forward="always")
+        try:
+            return linear_cross_entropy(e, c, t, reduction=red, impl="triton"), (e, c)
+        finally:
+            C.OVERRIDE_CONFIG = saved
+    return fn
+
+
+def make_torch():
+    def fn(e, c, t, red):
+        return F.cross_entropy((e @ c.t()).float(), t, reduction=red), (e, c)
+    return fn
+
+
+def make_cce():
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    def fn(e, c, t, red):
+        return cce(e, c, t, reduction=red), (e, c)
+    return fn
+
+
+def make_liger():
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    mods = {}
+
+    def fn(e, c, t, red):
+        if red not in mods:
+            mods[red] = LigerFusedLinearCrossEntropyLoss(reduction=red)
+        return mods[red](c, e, t), (e, c)
+    return fn
+
+
+PEER_NOTES = []  # what a peer needed to run here (printed with the table)
+
+
+def make_quack():
+    from quack.linear_cross_entropy import LinearCrossEntropy
+
+    mods = {}
+
+    def build(c, red, chunk):
+        m = LinearCrossEntropy(c.shape[1], c.shape[0], bias=False, reduction=red,
+                               chunk_size=chunk if red != "none" else None,
+                               device=c.device, dtype=c.dtype)
+        m.weight = torch.nn.Parameter(c.detach(), requires_grad=True)  # shares storage
+        return m
+
+    def fn(e, c, t, red):
+        key = (red, c.data_ptr())
+        if key not in mods:
+            m = build(c, red, 4096)
+            try:
+                m(e, t)
+            except ValueError as ex:
+                # quack 0.6.4 cannot tell a row vector from a column vector in its GEMM
+                # epilogue when the chunk's two sizes are equal (chunk 4096 at V=128256)
+                if "ambiguous" not in str(ex) or red == "none":
+                    raise
+                m = build(c, red, 8192)
+                PEER_NOTES.append(f"quack V={c.shape[0]} {red}: chunk_size 8192, not 4096 "
+                                  f"({str(ex)[:120]})")
+            mods[key] = m
+        m = mods[key]
+        return m(e, t), (e, m.weight)
+    return fn
+
+
+PEERS = {
+    "ours": make_ours,
+    "ours_gif": make_ours_gif,
+    "ours_torch_impl": lambda: make_ours("torch"),
+    "torch": make_torch,
+    "cce": make_cce,
+    "liger": make_liger,
+    "quack": make_quack,
+}
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def reference_loss(e, c, t, chunk=2048):
+    """fp32 per-token loss from the materialized logits, in row chunks."""
+    out = torch.empty(t.shape[0], dtype=torch.float32, device=e.device)
+    cf = c.float()
+    for r in range(0, t.shape[0], chunk):
+        x = e[r:r + chunk].float() @ cf.t()
+        out[r:r + chunk] = F.cross_entropy(x, t[r:r + chunk], reduction="none")
+    return out
+
+
+def measure(fn, e, c, t, red, up, warmup, rep):
+    def step():
+        loss, leaves = fn(e, c, t, red)
+        g = up if red == "none" else None
+        return loss, torch.autograd.grad(loss, leaves, g)
+
+    loss, grads = step()  # compile / autotune
+    del grads
+    DEV.sync()
+    # memory: second run, previous outputs freed; the gradients left behind are counted
+    DEV.empty_cache()
+    base = DEV.reset_peak()
+    loss, grads = step()
+    peak = (DEV.peak() or 0) - base
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
+    loss_val = loss.detach().float().clone()
+    del grads, loss
+    ms = _bench(lambda: step(), warmup, rep)
+    return ms, peak, grad_bytes, loss_val
+
+
+def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
+    rows, notes = [], []
+    for n, h, v in shapes:
+        g = torch.Generator(device=DEV.torch).manual_seed(0)
+        e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
+        c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
+        t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
+        up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
+        ref = reference_loss(e.detach(), c.detach(), t)
+        for name in impls:
+            try:
+                fn = PEERS[name]()
+            except Exception as ex:  # not installed
+                msg = f"{name}: skipped ({type(ex).__name__}: {ex})"
+                if msg not in notes:
+                    notes.append(msg)
+                    print(msg, flush=True)
+                continue
+            for red in reductions:
+                if name == "ours_gif" and red == "none":
+                    continue
+                try:
+                    ms, peak, gbytes, loss = measure(fn, e, c, t, red, up, warmup, rep)
+                except Exception as ex:
+                    msg = f"{name} V={v} {red}: failed ({type(ex).__name__}: {str(ex)[:300]})"
+                    notes.append(msg)
+                    print(msg, flush=True)
+                    traceback.print_exc()
+                    DEV.empty_cache()
+                    continue
+                want = ref.mean() if red == "mean" else ref
+                err = (loss.reshape(want.shape) - want).abs().max().item()
+                row = dict(impl=name, reduction=red, n=n, h=h, v=v, ms=round(ms, 3),
+                           tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
+                           tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),
+                           peak_extra_GiB=round(peak / GiB, 3),
+                           peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3),
+                           max_loss_err=err)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                DEV.empty_cache()
+        del e, c, t, up, ref
+        DEV.empty_cache()
+    notes += [x for x in PEER_NOTES if x not in notes]
+    return rows, notes
+
+
+def markdown(rows, notes, meta):
+    lines = [f"# Fused linear cross entropy, {meta['device']}", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, commit `{meta.get('commit')}`, "
+             "bf16, fwd+bwd (dE and dC), "
+             f"{meta['time']}. TFLOP/s: 6NHV/time (scalar loss) and 8NHV/time (per-token loss). "
+             "Memory: peak above the inputs during the step; with and without the gradients "
+             "left behind (dE + dC in bf16).", "",
+             f"Our tile config: `{meta['config']}`", "",
+             "| V | reduction | impl | ms | TFLOP/s 6NHV | TFLOP/s 8NHV | peak extra GiB | "
+             "minus grads GiB | max loss err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (-r["v"], r["reduction"], r["ms"])):
+        lines.append(f"| {r['v']} | {r['reduction']} | {r['impl']} | {r['ms']:.2f} | "
+                     f"{r['tflops_6nhv']:.0f} | {r['tflops_8nhv']:.0f} | {r['peak_extra_GiB']:.3f} | "
+                     f"{r['peak_extra_minus_grads_GiB']:.3f} | {r['max_loss_err']:.2e} |")
+    lines += ["", "Targets: mean >= 700 TFLOP/s at 6NHV (<= 73.7 ms at V=128256, "
+              "<= 9.2 ms at V=16032); none >= 650 at 8NHV; peak extra <= 0.25 GiB."]
+    if notes:
+        lines += ["", "Notes:"] + [f"- {x}" for x in notes]
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------- sweep
+
+# (config delta, reduction): "none" exercises the default 8NHV path; "mean" + grad_in_forward
+# the 6NHV path.
+SWEEP = [
+    {},
+    dict(bwd_mode="fused"),
+    dict(bwd_mode="chunked"),
+    dict(bwd_mode="chunked", x_chunk_bytes=32 << 20),
+    dict(bwd_mode="chunked", chunk_bytes=256 << 20),
+    dict(fwd_mode="chunked", bwd_mode="chunked"),
+    dict(grad_in_forward="always"),
+]
+SWEEP_TILES = [
+    {},
+    dict(fwd_block_v=128, bwd_block_v=128),
+    dict(fwd_stages=4, bwd_stages=4),
+    dict(fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
+    dict(fwd_block_v=128, fwd_warps=4, fwd_stages=4, bwd_block_v=128, bwd_warps=4, bwd_stages=4),
+    dict(matmul="triton"),
+    dict(chunk_bytes=256 << 20),
+    dict(split=1),
+    dict(split=8),
+    dict(split=16, fwd_group_n=8),
+    dict(fwd_group_n=8, bwd_group_n=16),
+    dict(grad_in_forward="always"),
+    dict(grad_in_forward="always", gif_rows=8192),
+    dict(grad_in_forward="always", gif_rows=2048),
+    dict(grad_in_forward="always", row_block=4096, row_warps=16),
+]
+# TMA descriptors for E and C in the fused kernels, the forward's flat loop, and tiles that let
+# two programs share a multiprocessor (one's softmax epilogue overlapping the other's matmul):
+# 128x128 with 4 warps and 3 stages is 96 KB of shared memory and 255 registers per thread.
+_D = dict(fwd_desc=True, bwd_desc=True)
+SWEEP_TMA = [
+    {},
+    _D,
+    dict(_D, fwd_flat=True),
+    dict(_D, fwd_flat=True, fwd_stages=4),
+    dict(_D, fwd_flat=True, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
+    dict(_D, fwd_stages=4, bwd_stages=4),
+    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
+    dict(_D, fwd_block_v=128, bwd_block_v=128),
+    dict(_D, fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
+    dict(fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
+    dict(fwd_block_v=128, bwd_block_v=128, fwd_warps=4, bwd_warps=4, fwd_group_n=8),
+    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4, fwd_stages=4,
+         bwd_stages=4),
+]
+# the default against the pointer kernels and its nearest neighbours (run with a long --rep)
+SWEEP_TMA_AB = [
+    {},
+    dict(bwd_flat=True),
+    dict(fwd_desc=False, bwd_desc=False, fwd_flat=False),
+    dict(fwd_stages=4),
+    dict(bwd_flat=True, bwd_stages=4),
+    dict(bwd_desc=False),
+    dict(fwd_flat=False),
+    dict(fwd_stages=4, bwd_stages=4),
+    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (measured: no faster)
+    dict(bwd_store_desc=True, bwd_flat=True),
+]
+# the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
+# --n: 16384 rows once chose 5, 4096 rows 17, 65536 rows 2
+SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
+# alternated twice: the current choice at 16384 rows (6 at V=128256, 7 at 16032) against a floor
+# of ceil(SMs / GROUP_N) = 9 splits (all programs in flight within one group of row blocks) and 17
+SWEEP_SPLIT_AB = [dict(split=s) for s in (6, 7, 9, 17) * 2]
+# the dz store through a TMA descriptor against the default, alternated so drift shows
+SWEEP_STORE_AB = [{}, dict(bwd_store_desc=True), dict(bwd_store_desc=True, bwd_flat=True)] * 2
+SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB,
+          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB, "store-ab": SWEEP_STORE_AB}
+
+
+def sweep(n, h, v, warmup, rep, sweep_list):
+    g = torch.Generator(device=DEV.torch).manual_seed(0)
+    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
+    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
+    up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
+    base = C.default_config(e.device)
+    results = []
+    ref = None  # the first config's per-token loss and gradients, to check every other one
+    for delta in sweep_list:
+        cfg = base.replace(**delta)
+        C.OVERRIDE_CONFIG = cfg
+        red = "mean" if delta.get("grad_in_forward", "never") != "never" else "none"
+        try:
+            with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
+                fwd_ms = _bench(
+                    lambda: linear_cross_entropy(e, c, t, reduction=red, impl="triton"),
+                    warmup, rep)
+            ms, peak, gbytes, _ = measure(make_ours(), e, c, t, red, up, warmup, rep)
+            loss = linear_cross_entropy(e, c, t, reduction="none", impl="triton")
+            got = (loss.detach(), *torch.autograd.grad(loss, (e, c), up))
+        except Exception as ex:
+            print(f"sweep {delta}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            continue
+        if ref is None:
+            ref = got
+        # relative to the largest entry: loss, dE, dC against the first config
+        diff = [round(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), 8)
+                for a, b in zip(got, ref)]
+        del got, loss
+        r = dict(delta=delta, reduction=red, fwd_split=K.forward_split(n, v, cfg, e.device)[0],
+                 fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
+                 fwd_tflops=round(2 * n * h * v / fwd_ms / 1e9, 1),
+                 bwd_tflops=round(6 * n * h * v / max(ms - fwd_ms, 1e-6) / 1e9, 1),
+                 tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),
+                 tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
+                 peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3),
+                 rel_diff_loss_de_dc=diff)
+        print("sweep", json.dumps(r), flush=True)
+        results.append(r)
+    C.OVERRIDE_CONFIG = None
+    return results
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=16384, help="tokens")
+    # not --h: the CUTLASS DSL (imported with quack) parses sys.argv at import and reads --h as --help
+    ap.add_argument("--hidden", type=int, default=4096, help="hidden size H")
+    ap.add_argument("--vocab", type=int, nargs="+", default=[128256, 16032])
+    ap.add_argument("--impls", nargs="+",
+                    default=["ours", "ours_gif", "torch", "cce", "liger", "quack"],
+                    choices=list(PEERS))
+    ap.add_argument("--reductions", nargs="+", default=["mean", "none"])
+    ap.add_argument("--config", default=None, help="JSON of LCEConfig fields for ours")
+    ap.add_argument("--sweep", action="store_true", help="sweep our tile configs first")
+    ap.add_argument("--sweep-vocab", type=int, nargs="+", default=[16032])
+    ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--sweep-set", default="modes", choices=list(SWEEPS),
+                    help="which list of config deltas --sweep runs")
+    ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up calls per measurement")
+    ap.add_argument("--rep", type=int, default=200, help="ms of timed calls per measurement")
+    ap.add_argument("--out", default=str(common.RESULTS), help="folder of the .json and .md")
+    ap.add_argument("--smoke-cpu", action="store_true",
+                    help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--hidden/--vocab)")
+    return ap.parse_args(argv)
+
+
+def sweep_markdown(sweep_rows) -> str:
+    lines = ["", "Sweep (ours; fwd = no-grad forward):", ""]
+    lines += common.table(
+        ["V", "delta", "reduction", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
+         "6NHV TFLOP/s", "8NHV TFLOP/s", "extra GiB", "rel. diff loss, dE, dC vs first"],
+        [(r["v"], f"`{json.dumps(r['delta'])}`", r["reduction"], r["fwd_ms"], r["ms"],
+          r["fwd_tflops"], r["bwd_tflops"], r["tflops_6nhv"], r["tflops_8nhv"],
+          r["peak_extra_minus_grads_GiB"], r.get("rel_diff_loss_de_dc")) for r in sweep_rows])
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    global DEV
+    DEV = Device("cpu" if args.smoke_cpu else "cuda")
+    dev = DEV.torch
+    if args.config:
+        C.OVERRIDE_CONFIG = C.default_config(dev).replace(**json.loads(args.config))
+    sweep_rows = []
+    if args.sweep or args.sweep_only:
+        for sv in args.sweep_vocab:
+            sweep_rows += [dict(r, v=sv) for r in
+                           sweep(args.n, args.hidden, sv, args.warmup, args.rep,
+                                 SWEEPS[args.sweep_set])]
+        plain = [r for r in sweep_rows if r["reduction"] == "none"]
+        # the table's "ours" uses the best default-path config; ours_gif adds gif
+        if plain and len(args.sweep_vocab) == 1:
+            best = min(plain, key=lambda r: r["ms"])
+            print(f"best sweep config: {json.dumps(best['delta'])} ({best['ms']} ms)", flush=True)
+            C.OVERRIDE_CONFIG = C.default_config(dev).replace(**best["delta"])
+    cfg = C.default_config(dev)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
+                config=dataclasses.asdict(cfg), cublas_fp32_out=dict(K.TORCH_DTYPE_MM))
+    if args.smoke_cpu:
+        meta["device"] = "cpu-smoke"
+    rows, notes = [], []
+    if not args.sweep_only:
+        shapes = [(args.n, args.hidden, v) for v in args.vocab]
+        rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
+                                cfg)
+    meta["cublas_fp32_out"] = dict(K.TORCH_DTYPE_MM)  # after use: False where it fell back
+    md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
+    stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
+    report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows)
+    written = common.write_report(stem, report, md)
+    print(md)
+    print(f"wrote {', '.join(str(p) for p in written)}")
+    return report
+
+
+if __name__ == "__main__":
+    main()
