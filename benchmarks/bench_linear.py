@@ -35,11 +35,8 @@ common.use_checkout_package()
 
 from vocab_parallel_loss import linear_cross_entropy  # noqa: E402
 from vocab_parallel_loss.kernels import linear as K  # noqa: E402
-
-try:  # LCEConfig, OVERRIDE_CONFIG and default_config
-    from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
-except ImportError:  # the configs in kernels.linear itself
-    C = K
+from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
+from vocab_parallel_loss.kernels.linear import gemm as G  # noqa: E402
 
 GiB = 2**30
 DEV: Device = None  # main(): the GPU, or the CPU with --smoke-cpu (plumbing under TRITON_INTERPRET=1)
@@ -253,11 +250,8 @@ def markdown(rows, notes, meta):
 # the 6NHV path.
 SWEEP = [
     {},
-    dict(bwd_mode="fused"),
-    dict(bwd_mode="chunked"),
-    dict(bwd_mode="chunked", x_chunk_bytes=32 << 20),
-    dict(bwd_mode="chunked", chunk_bytes=256 << 20),
-    dict(fwd_mode="chunked", bwd_mode="chunked"),
+    dict(bwd_flat=True),
+    dict(chunk_bytes=256 << 20),
     dict(grad_in_forward="always"),
 ]
 SWEEP_TILES = [
@@ -306,8 +300,6 @@ SWEEP_TMA_AB = [
     dict(bwd_desc=False),
     dict(fwd_flat=False),
     dict(fwd_stages=4, bwd_stages=4),
-    dict(bwd_store_desc=True),  # dz tiles through a TMA descriptor (measured: no faster)
-    dict(bwd_store_desc=True, bwd_flat=True),
 ]
 # the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
 # --n: 16384 rows once chose 5, 4096 rows 17, 65536 rows 2
@@ -315,10 +307,8 @@ SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
 # alternated twice: the current choice at 16384 rows (6 at V=128256, 7 at 16032) against a floor
 # of ceil(SMs / GROUP_N) = 9 splits (all programs in flight within one group of row blocks) and 17
 SWEEP_SPLIT_AB = [dict(split=s) for s in (6, 7, 9, 17) * 2]
-# the dz store through a TMA descriptor against the default, alternated so drift shows
-SWEEP_STORE_AB = [{}, dict(bwd_store_desc=True), dict(bwd_store_desc=True, bwd_flat=True)] * 2
 SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB,
-          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB, "store-ab": SWEEP_STORE_AB}
+          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB}
 
 
 def sweep(n, h, v, warmup, rep, sweep_list):
@@ -425,7 +415,7 @@ def main(argv=None) -> dict:
     cfg = C.default_config(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
-                config=dataclasses.asdict(cfg), cublas_fp32_out=dict(K.TORCH_DTYPE_MM))
+                config=dataclasses.asdict(cfg), cublas_fp32_out=dict(G.TORCH_DTYPE_MM))
     if args.smoke_cpu:
         meta["device"] = "cpu-smoke"
     rows, notes = [], []
@@ -433,7 +423,7 @@ def main(argv=None) -> dict:
         shapes = [(args.n, args.hidden, v) for v in args.vocab]
         rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
                                 cfg)
-    meta["cublas_fp32_out"] = dict(K.TORCH_DTYPE_MM)  # after use: False where it fell back
+    meta["cublas_fp32_out"] = dict(G.TORCH_DTYPE_MM)  # after use: False where it fell back
     md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
     stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
     report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows)
