@@ -134,3 +134,21 @@ def test_bench_hf_tiny_writes_results(tmp_path):
     assert abs(by["transformers"]["first_loss"] - by["vocab_parallel_loss"]["first_loss"]) < 1e-4
     assert data["meta"]["source_hash"]
     assert "| vocab_parallel_loss |" in (tmp_path / "results.md").read_text()
+
+
+def test_bench_logprobs_smoke_cpu_writes_json_and_markdown(tmp_path):
+    """bench_logprobs end to end on tiny CPU shapes: every implementation measured, errors
+    against the fp32 reference reported, the report written."""
+    import json
+    import subprocess
+
+    stem = tmp_path / "lp"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_logprobs.py"), "--smoke-cpu",
+                           "--out", str(stem)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(stem.with_suffix(".json").read_text())
+    impls = {r["impl"]: r for r in report["rows"]}
+    assert {"ours", "torch", "torch chunked (TRL-style)"} <= set(impls)
+    for r in impls.values():
+        assert "error" not in r and r["err_logp"] < 1e-4 and r["err_de_rel"] < 1e-4
+    assert "| ours |" in stem.with_suffix(".md").read_text()
