@@ -389,26 +389,249 @@ def _fused_linear_variants(variants, tokens, pos, labels, upstream, out):
         assert logits.shape == (BATCH, SEQ, VOCAB // TP), (name, logits.shape)
         assert torch.equal(logits, ref_logits), f"{name}: inference logits differ from the unfused model's"
 
-    # Multi-token prediction is refused when the model is built, not at the first step.
-    config = tiny_config()
-    if "mtp_num_layers" in {f.name for f in dataclasses.fields(config)}:
-        config.mtp_num_layers = 1
-        model = build(None, cls=GPTModel)
-        model.config = config
+    return out
+
+
+# ------------------------------------------------------------------------ multi-token prediction
+MTP_HEADS = 2
+
+
+def build_mtp(loss_config, tied, sequence_parallel, per_token=False, seed=4321):
+    """A tiny GPTModel with MTP_HEADS multi-token-prediction heads (megatron-core's own MTP block)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from vocab_parallel_loss.megatron import VocabParallelLossGPTModel
+
+    config = tiny_config(sequence_parallel=sequence_parallel)
+    config.mtp_num_layers = MTP_HEADS
+    config.mtp_loss_scaling_factor = 0.3
+    config.calculate_per_token_loss = per_token
+    spec = layer_spec(sequence_parallel)
+    mtp_spec = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+    if sequence_parallel:
+        for layer in mtp_spec.layer_specs:
+            for name in ("enorm", "hnorm", "layer_norm"):
+                setattr(layer.submodules, name, SequenceParallelTorchNorm)
+    torch.manual_seed(seed)
+    return VocabParallelLossGPTModel(
+        config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_spec, vocab_size=VOCAB,
+        max_sequence_length=SEQ, share_embeddings_and_output_weights=tied, loss_config=loss_config)
+
+
+def check_mtp(ps):
+    """--mtp-num-layers: every head's loss through this package, unfused (megatron-core calls
+    compute_language_model_loss per head) and fused (no logits), equals megatron-core's own MTP
+    loss: main per-token loss, each head's logged loss, every parameter's gradient (MTP block and
+    output weight included), in training and evaluation."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from vocab_parallel_loss.megatron import VocabParallelLossConfig
+
+    if "mtp_num_layers" not in {f.name for f in dataclasses.fields(tiny_config())}:
+        return {"skipped": "this megatron-core has no multi-token prediction"}
+    out = {}
+    tokens, pos, labels = batch(0)
+    loss_mask = torch.ones(BATCH, SEQ)
+    loss_mask[1, 5:9] = 0
+    upstream = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(5))
+    variants = [  # name, tied, sequence_parallel, calculate_per_token_loss
+        ("tied", True, False, False),
+        ("untied_sp_per_token", False, True, True),
+    ]
+
+    def run(model, train):
+        MTPLossLoggingHelper.tracker.clear()
+        model.train(train)
+        loss = model(tokens, pos, None, labels=labels, loss_mask=loss_mask)
+        logged = MTPLossLoggingHelper.tracker.get("values")
+        logged = logged.clone() if logged is not None else None
+        if train:
+            (loss * upstream).sum().backward()
+        return loss.detach(), logged
+
+    with cpu_sequence_parallel():
+        for name, tied, sp, per_token in variants:
+            native = build_mtp(VocabParallelLossConfig(enabled=False), tied, sp, per_token)
+            ours = build_mtp(VocabParallelLossConfig(enabled=True), tied, sp, per_token)
+            fused = build_mtp(VocabParallelLossConfig(enabled=True, fused_linear=True), tied, sp, per_token)
+            for model in (ours, fused):
+                for (n1, p1), (n2, p2) in zip(model.named_parameters(), native.named_parameters()):
+                    assert n1 == n2 and torch.equal(p1, p2), f"{name}: initial weights differ at {n1}"
+            calls, ran = [], []
+            inner = ours.vocab_parallel_loss.forward
+            ours.vocab_parallel_loss.forward = lambda lg, t: (calls.append(1), inner(lg, t))[1]
+            fused.output_layer.register_forward_hook(lambda *_: ran.append(1))
+            ref_loss, ref_logged = run(native, True)
+            assert ref_logged is not None and ref_logged.abs().sum() > 0, "megatron-core logged no MTP loss"
+            for tag, model in (("unfused", ours), ("fused", fused)):
+                loss, logged = run(model, True)
+                key = f"{name}_{tag}"
+                out[f"{key}_loss_diff"] = close(f"{key}: main per-token loss", loss, ref_loss, 1e-5, 1e-6)
+                out[f"{key}_logged_diff"] = close(f"{key}: logged MTP losses", logged, ref_logged, 1e-5, 1e-6)
+                g, g_ref = named_grads(model), named_grads(native)
+                assert g.keys() == g_ref.keys() and any(k.startswith("mtp.") for k in g), f"{key}: gradients"
+                worst = 0.0
+                for pname in g_ref:
+                    scale = g_ref[pname].abs().max().item()
+                    worst = max(worst, close(f"{key}: grad of {pname}", g[pname], g_ref[pname], 1e-6 + 1e-4 * scale))
+                out[f"{key}_grad_max_diff"] = worst
+                out[f"{key}_n_params"] = len(g)
+            assert len(calls) == 1 + MTP_HEADS, f"{name}: our loss ran {len(calls)} times, not once per head"
+            assert not ran, f"{name}: the fused path materialized logits (the output layer ran)"
+            with torch.no_grad():
+                ref_eval, _ = run(native, False)
+                eval_loss, logged = run(fused, False)
+            assert logged is None, f"{name}: nothing is logged in evaluation"
+            out[f"{name}_fused_eval_loss_diff"] = close(f"{name}: fused eval loss", eval_loss, ref_eval, 1e-5, 1e-6)
+            assert not ran, f"{name}: the fused path materialized logits in evaluation"
+    MTPLossLoggingHelper.tracker.clear()
+    return out
+
+
+def check_mtp_acceptance(ps):
+    """The MTP acceptance counts of the fused path (megatron-core 0.20 logs them; the fused loss
+    has no logits): against the argmax of the full gathered fp64 logits, with and without
+    sequence parallelism, labels matching the argmax on half the tokens."""
+    import types
+
+    from vocab_parallel_loss.megatron.mtp import _acceptance_counts
+
+    group = ps.get_tensor_model_parallel_group()
+    rank = ps.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(9)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g)
+    local = weight[rank * (VOCAB // TP):(rank + 1) * (VOCAB // TP)].contiguous()
+    preds = (hidden.double() @ weight.double().t()).argmax(-1)  # [s, b]
+    labels = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels[:, ::2] = preds.t()[:, ::2]
+    mask = torch.ones(BATCH, SEQ)
+    mask[0, :5] = 0
+    valid = mask.t().bool()
+    expected = (((preds == labels.t()) & valid).sum().item(), valid.sum().item())
+    out = {}
+    for sp in (False, True):
+        model = types.SimpleNamespace(output_layer=types.SimpleNamespace(sequence_parallel=sp),
+                                      pg_collection=types.SimpleNamespace(tp=group))
+        mine = hidden.chunk(TP, dim=0)[rank] if sp else hidden
+        correct, total = _acceptance_counts(model, mine, local, labels, mask)
+        assert (correct.item(), total.item()) == expected, (sp, correct, total, expected)
+        out[f"sp{int(sp)}"] = [correct.item(), total.item()]
+    assert expected[0] >= SEQ * BATCH // 4, expected
+    return out
+
+
+# ------------------------------------------------------------------------------------- the guard
+class FakeMegatronLMArgs:
+    """Megatron-LM's parsed arguments as ``megatron.training.global_vars`` holds them (test
+    scaffolding for a process with megatron-core only); undone on exit."""
+
+    def __init__(self, args):
+        import types
+
+        self.module = types.ModuleType("megatron.training.global_vars")
+        self.module._GLOBAL_ARGS = args
+
+    def __enter__(self):
+        sys.modules["megatron.training.global_vars"] = self.module
+        return self
+
+    def __exit__(self, *exc):
+        sys.modules.pop("megatron.training.global_vars", None)
+        from vocab_parallel_loss.megatron import guard
+
+        guard.disarm()
+
+
+def check_guard(ps):
+    """The --vocab-parallel-loss guard on megatron-core's GPTModel: fires at the first forward of a
+    model that does not compute this package's loss (before the forward runs when the model is
+    wrapped, as Megatron wraps it; right after when called directly), or with other settings; passes
+    our models; never fires without the flag or outside Megatron-LM; disarms itself."""
+    import argparse
+
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from vocab_parallel_loss.megatron import (
+        VocabParallelLossConfig,
+        VocabParallelLossNotWiredError,
+        add_vocab_parallel_loss_args,
+        attach_vocab_parallel_loss,
+        guard,
+    )
+
+    parser = add_vocab_parallel_loss_args(argparse.ArgumentParser())
+    flags = parser.parse_args(["--vocab-parallel-loss", "--vocab-parallel-loss-z-loss", "1e-4"])
+    tokens, pos, labels = batch(0)
+
+    class Wrapper(torch.nn.Module):  # Megatron's Float16Module / DDP: forward(*args, **kwargs)
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args, **kwargs):
+            return self.module(*args, **kwargs)
+
+    def first_forward(model, args, wrap=True):
+        ran = []
+        handle = model.decoder.register_forward_hook(lambda *_: ran.append(1))
+        guard.arm()
         try:
-            attach_vocab_parallel_loss(model, VocabParallelLossConfig(enabled=True, fused_linear=True))
-        except NotImplementedError as e:
-            out["mtp_refused"] = str(e)
-        else:
-            raise AssertionError("fused linear with multi-token prediction must raise NotImplementedError")
+            with FakeMegatronLMArgs(args):
+                (Wrapper(model) if wrap else model)(tokens, pos, None, labels=labels)
+            return None, bool(ran), guard.armed()
+        except VocabParallelLossNotWiredError as e:
+            return str(e), bool(ran), guard.armed()
+        finally:
+            handle.remove()
+
+    out = {}
+    err, ran, armed = first_forward(build(None, cls=GPTModel), flags)
+    assert err and "never wired" in err and "pre_wrap_hooks" in err and not ran and not armed, (err, ran, armed)
+    out["wrapped_error"] = err
+    err, ran, armed = first_forward(build(None, cls=GPTModel), flags, wrap=False)
+    assert err and "never wired" in err and ran and not armed, (err, ran, armed)
+    expected = VocabParallelLossConfig.from_args(flags)
+    err, ran, armed = first_forward(attach_vocab_parallel_loss(build(None, cls=GPTModel), expected), flags)
+    assert err is None and ran and not armed, (err, ran, armed)
+    err, _, _ = first_forward(attach_vocab_parallel_loss(build(None, cls=GPTModel), VocabParallelLossConfig(enabled=True)), flags)
+    assert err and "command line asks for" in err, err
+    out["mismatch_error"] = err
+    err, _, _ = first_forward(build(VocabParallelLossConfig(enabled=False)), flags)
+    assert err and "command line asks for" in err, err
+    # With the flags parsed, attach (loss_config=None) takes them: the guard passes.
+    with FakeMegatronLMArgs(flags):
+        model = attach_vocab_parallel_loss([build(None, cls=GPTModel)])[0]
+    assert model.loss_config == expected, model.loss_config
+    # Without Megatron-LM's arguments: the loss with defaults; a wrapped chunk is unwrapped.
+    wrapped = attach_vocab_parallel_loss(Wrapper(build(None, cls=GPTModel)))
+    assert isinstance(wrapped, Wrapper) and wrapped.module.loss_config == VocabParallelLossConfig(enabled=True)
+    err, ran, _ = first_forward(model, flags)
+    assert err is None and ran, err
+    # No flag, or no Megatron-LM arguments: no check, and the hook is gone.
+    err, ran, armed = first_forward(build(None, cls=GPTModel), parser.parse_args([]))
+    assert err is None and ran and not armed, (err, armed)
+    err, ran, armed = first_forward(build(None, cls=GPTModel), None)
+    assert err is None and ran and not armed, (err, armed)
+    # A loop that never calls the model itself: after PATIENCE other module calls, a warning.
+    guard.arm()
+    part = torch.nn.Identity()
+    with FakeMegatronLMArgs(flags), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(guard.PATIENCE):
+            part(tokens)
+        assert not guard.armed() and any("was not checked" in str(w.message) for w in caught), caught
     return out
 
 
 CHECKS = {
     "fused_linear": check_fused_linear,
+    "guard": check_guard,
     "holds_loss": check_holds_loss,
     "loss_matches_native": check_loss_matches_native,
     "model_and_curve": check_model_and_curve,
+    "mtp": check_mtp,
+    "mtp_acceptance": check_mtp_acceptance,
     "pipeline_stages": check_pipeline_stages,
 }
 

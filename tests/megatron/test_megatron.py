@@ -64,6 +64,26 @@ def test_flags_parse():
         parser.parse_args(["--vocab-parallel-loss-z-loss", "abc"])
 
 
+def test_extra_args_provider_chaining():
+    """with_vocab_parallel_loss_args(other): other's flags and ours; None (Megatron-LM without
+    ModelOpt passes None) adds ours only."""
+    from vocab_parallel_loss.megatron import guard, with_vocab_parallel_loss_args
+
+    def other(parser):
+        parser.add_argument("--other-flag", type=int, default=0)
+        return parser
+
+    try:
+        args = with_vocab_parallel_loss_args(other)(argparse.ArgumentParser()).parse_args(
+            ["--other-flag", "3", "--vocab-parallel-loss"])
+        assert args.other_flag == 3 and args.vocab_parallel_loss
+        args = with_vocab_parallel_loss_args(None)(argparse.ArgumentParser()).parse_args(["--vocab-parallel-loss"])
+        assert args.vocab_parallel_loss
+        assert guard.armed(), "adding the flags arms the check that they are wired"
+    finally:
+        guard.disarm()
+
+
 # ------------------------------------------------------------------------------- torchrun tests
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
@@ -136,11 +156,39 @@ def test_fused_linear_gpt_matches_unfused(worker_results, variant):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(360)
-def test_fused_linear_refuses_multi_token_prediction(worker_results):
-    r = _ok(worker_results, "fused_linear")
-    if "mtp_refused" not in r:
-        pytest.skip("this megatron-core has no multi-token prediction")
-    assert "multi-token prediction" in r["mtp_refused"]
+@pytest.mark.parametrize("variant", ["tied_unfused", "tied_fused", "untied_sp_per_token_unfused",
+                                     "untied_sp_per_token_fused"])
+def test_multi_token_prediction_matches_megatron(worker_results, variant):
+    """mtp_num_layers=2, TP=2: megatron-core's own MTP block; every head's loss through this
+    package (unfused: compute_language_model_loss per head; fused: no logits) equals megatron-core's
+    MTP loss in the main per-token loss, each head's logged loss and every parameter gradient
+    (sequence parallelism and calculate_per_token_loss in the untied variants); fused in evaluation
+    too (checked in the worker)."""
+    r = _ok(worker_results, "mtp")
+    if "skipped" in r:
+        pytest.skip(r["skipped"])
+    assert r[f"{variant}_loss_diff"] <= 1e-5 and r[f"{variant}_logged_diff"] <= 1e-5
+    assert r[f"{variant}_n_params"] > 20 and f"{variant}_grad_max_diff" in r
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_mtp_acceptance_counts_without_logits(worker_results):
+    """The fused path's MTP acceptance counts (megatron-core 0.20 logs them) equal the argmax of
+    the full gathered logits, with and without sequence parallelism (checked in the worker)."""
+    r = _ok(worker_results, "mtp_acceptance")
+    assert r["sp0"] == r["sp1"] and r["sp0"][0] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(360)
+def test_guard_refuses_a_model_without_our_loss(worker_results):
+    """--vocab-parallel-loss parsed, model not wired: VocabParallelLossNotWiredError at the first
+    forward naming the recipes; settings that differ from the flags are refused too (the other
+    cases: checked in the worker)."""
+    r = _ok(worker_results, "guard")
+    assert "never wired" in r["wrapped_error"] and "wrap_model_provider" in r["wrapped_error"]
+    assert "z_loss=0.0001" in r["mismatch_error"]
 
 
 def _pretrain(tmp_path, *extra):

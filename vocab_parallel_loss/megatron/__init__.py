@@ -1,29 +1,56 @@
 """Megatron integration: flags, config, a GPTModel with the exact vocab-parallel loss.
 
-Megatron-LM's ``pretrain_gpt.py`` takes three lines::
+In your copy of Megatron-LM's ``pretrain_gpt.py``, two edits: the flags, and the model wiring,
+which depends on how that Megatron-LM builds the model.
 
-    from vocab_parallel_loss.megatron import add_vocab_parallel_loss_args, wrap_model_provider
-    pretrain(..., wrap_model_provider(model_provider), ...,
-             extra_args_provider=add_vocab_parallel_loss_args)
+Megatron-LM <= 0.17, ``pretrain(..., extra_args_provider=...)``::
 
-then ``--vocab-parallel-loss`` on the command line (``--vocab-parallel-loss-fused-linear`` also fuses
-the output layer with the loss: with labels, the logits are never materialized). megatron-core
-itself is not patched.
+    from vocab_parallel_loss.megatron import with_vocab_parallel_loss_args, wrap_model_provider
+    pretrain(train_valid_test_datasets_provider,
+             wrap_model_provider(partial(model_provider, gpt_builder)),
+             ModelType.encoder_or_decoder, forward_step,
+             extra_args_provider=with_vocab_parallel_loss_args(add_modelopt_args if has_nvidia_modelopt else None),
+             ...)
+
+Megatron-LM 0.18 (``parse_and_validate_args`` parses the flags; ``pretrain`` takes the config
+container and calls the model provider it is given)::
+
+    args = parse_and_validate_args(
+        extra_args_provider=with_vocab_parallel_loss_args(add_modelopt_args if has_nvidia_modelopt else None), ...)
+    pretrain(full_config, ..., model_provider=wrap_model_provider(partial(model_provider, gpt_builder)), ...)
+
+Megatron-LM >= 0.19 and main (the model is built from a ``GPTModelConfig``; a model provider given
+to ``pretrain`` is not called), the same ``parse_and_validate_args`` line and::
+
+    model_cfg = gpt_config_from_args(args)
+    model_cfg.pre_wrap_hooks.append(attach_vocab_parallel_loss)
+
+or, keeping megatron-core's model class, ``output_processor=VocabParallelLossOutputProcessor()``
+on the model's forward in ``forward_step``. Then ``--vocab-parallel-loss`` on the command line
+(``--vocab-parallel-loss-fused-linear`` also fuses the output layer with the loss: with labels,
+the logits are never materialized; multi-token prediction heads included). If the flag is
+parsed but the model that trains does not compute its loss with this package, the first forward
+raises :class:`VocabParallelLossNotWiredError` (:mod:`.guard`). megatron-core itself is not patched.
 """
 
-from .config import VocabParallelLossConfig, add_vocab_parallel_loss_args
+from .config import VocabParallelLossConfig, add_vocab_parallel_loss_args, with_vocab_parallel_loss_args
+from .guard import VocabParallelLossNotWiredError
 from .model import (
     VocabParallelLossGPTModel,
     VocabParallelLossMixin,
     attach_vocab_parallel_loss,
     wrap_model_provider,
 )
+from .output_processor import VocabParallelLossOutputProcessor
 
 __all__ = [
     "VocabParallelLossConfig",
     "VocabParallelLossGPTModel",
     "VocabParallelLossMixin",
+    "VocabParallelLossNotWiredError",
+    "VocabParallelLossOutputProcessor",
     "add_vocab_parallel_loss_args",
     "attach_vocab_parallel_loss",
+    "with_vocab_parallel_loss_args",
     "wrap_model_provider",
 ]

@@ -1,4 +1,4 @@
-"""Every difference between megatron-core versions (0.14 - 0.19) is handled here, and only here.
+"""Every difference between megatron-core versions (0.14 - 0.20) is handled here, and only here.
 
 * The model's tensor-parallel group: ``model.pg_collection.tp`` (0.14+), ``model.model_comm_pgs.tp``
   (the name some releases used), ``model.tp_group``, else ``parallel_state``'s global group.
@@ -12,12 +12,18 @@
   inference mode: ``inference_context`` given while not training (0.14 - 0.18), megatron-core's
   ``InferenceMode`` (0.19).
 * MuP's output multiplier on the logits (``config.use_mup``, 0.19+).
+* Multi-token prediction: the MTP block's forward arguments (read from the ``_postprocess`` call),
+  the context-parallel group, how a head's loss is logged (loss only up to 0.19; loss and
+  acceptance counts on 0.20) and scaled under ``calculate_per_token_loss`` (rescaled by the
+  tokens lost to rolling from 0.17, when ``process_mtp_loss`` appeared).
+* Megatron-LM (not megatron-core): its parsed arguments, read without importing it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, Dict, Optional
 
 import torch
@@ -149,12 +155,10 @@ def postprocess_needs_logits(model: Any, call: Dict[str, Any]) -> bool:
     """True when ``GPTModel._postprocess`` must run as megatron-core wrote it (materialized logits).
 
     That is: no labels (logits are the output), no post-process stage, inference (megatron-core
-    may keep only the last token's logits there), multi-token prediction, or an
-    ``output_processor`` (0.19+) that takes the output layer itself.
+    may keep only the last token's logits there), or an ``output_processor`` that takes the
+    output layer itself.
     """
     if call.get("labels") is None or not getattr(model, "post_process", True):
-        return True
-    if call.get("mtp_in_postprocess") or getattr(model.config, "mtp_num_layers", None):
         return True
     if call.get("output_processor") is not None:
         return True
@@ -170,3 +174,62 @@ def output_logit_scale(config: Any) -> float:
         return 1.0
     mult = getattr(config, "mup_output_mult", 1.0)
     return 1.0 if mult is None else float(mult)
+
+
+def megatron_lm_args() -> Optional[Any]:
+    """Megatron-LM's parsed arguments (``megatron.training.get_args()``) in this process, else None.
+
+    Read from the module, never imported: megatron-core alone has no ``megatron.training``, and a
+    process that never imported it has no Megatron-LM arguments.
+    """
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    return getattr(global_vars, "_GLOBAL_ARGS", None)
+
+
+def cp_group_of(model: Any) -> Optional["torch.distributed.ProcessGroup"]:
+    """The context-parallel group of a megatron-core model (None: no context parallelism)."""
+    pgs = getattr(model, "pg_collection", None)
+    group = getattr(pgs, "cp", None) if pgs is not None else None
+    return group if group is not None else getattr(model, "cp_group", None)
+
+
+def mtp_block_arguments(block: Any, call: Dict[str, Any]) -> Dict[str, Any]:
+    """The keyword arguments ``GPTModel._postprocess`` gives its MTP block, from its own call.
+
+    Every release passes the block the ``_postprocess`` arguments of the same name, the embedding
+    and ``extra_block_kwargs`` spread out; the names the block takes differ (``padding_mask``, 0.20).
+    """
+    params = inspect.signature(block.forward).parameters
+    kwargs = {name: call[name] for name in params if name in call and name != "extra_block_kwargs"}
+    kwargs.update(call.get("extra_block_kwargs") or {})
+    return kwargs
+
+
+def roll_labels(tensor: torch.Tensor, call: Dict[str, Any], cp_group) -> tuple:
+    """megatron-core's ``roll_tensor`` one position left: ``(rolled, rolled.sum())``."""
+    from megatron.core.transformer.multi_token_prediction import roll_tensor
+
+    kwargs = filter_kwargs(roll_tensor, dict(cp_group=cp_group, packed_seq_params=call.get("packed_seq_params")))
+    return roll_tensor(tensor, shifts=-1, dims=-1, **kwargs)
+
+
+def mtp_rescales_per_token_loss() -> bool:
+    """Whether a head's loss is multiplied by (tokens before rolling) / (tokens after rolling) under
+    ``calculate_per_token_loss`` (0.17+, the releases with ``process_mtp_loss``)."""
+    from megatron.core.transformer import multi_token_prediction
+
+    return hasattr(multi_token_prediction, "process_mtp_loss")
+
+
+def log_mtp_head(loss: torch.Tensor, layer: int, num_layers: int, acceptance) -> None:
+    """Record a head's mean loss where megatron-core's training loop reports it; on releases that
+    also report the acceptance rate, ``acceptance()`` gives its ``(correct, total)`` counts."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    avg_group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    save_metrics = getattr(MTPLossLoggingHelper, "save_metrics_to_tracker", None)
+    if save_metrics is not None:
+        correct, total = acceptance()
+        save_metrics(loss, correct, total, layer, num_layers, avg_group=avg_group)
+    else:
+        MTPLossLoggingHelper.save_loss_to_tracker(loss, layer, num_layers, avg_group=avg_group)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Any, Dict
+from typing import Any, Callable, Dict, Optional
 
 
 @dataclasses.dataclass
@@ -68,11 +68,31 @@ class VocabParallelLossConfig:
         )
 
 
-def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--vocab-parallel-loss*`` flags; Megatron-LM ``extra_args_provider`` contract.
-
-    ``pretrain(..., extra_args_provider=add_vocab_parallel_loss_args)``; returns ``parser``.
+def with_vocab_parallel_loss_args(
+    other: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
+) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
+    """A Megatron-LM ``extra_args_provider`` adding ``other``'s flags (when not None) and ours:
+    ``extra_args_provider=with_vocab_parallel_loss_args(add_modelopt_args if has_nvidia_modelopt else None)``.
     """
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if other is not None:
+            parser = other(parser)
+        return add_vocab_parallel_loss_args(parser)
+
+    return provider
+
+
+def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--vocab-parallel-loss*`` flags; Megatron-LM ``extra_args_provider`` contract;
+    returns ``parser``. :func:`with_vocab_parallel_loss_args` chains another provider.
+
+    Also arms the check that a ``--vocab-parallel-loss`` run really trains with this package's
+    loss (:mod:`vocab_parallel_loss.megatron.guard`).
+    """
+    from . import guard
+
+    guard.arm()
     group = parser.add_argument_group(
         title="vocab parallel loss", description="exact vocab-parallel cross entropy (vocab_parallel_loss)"
     )

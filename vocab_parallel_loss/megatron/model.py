@@ -8,17 +8,11 @@ from typing import Any, Callable, Dict, Optional, Type
 
 import torch
 
-from . import _compat
+from . import _compat, losses, mtp
 from .config import VocabParallelLossConfig
 
 _compat.require_megatron()
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
-
-
-def _loss_module(tp_group, loss_config: VocabParallelLossConfig) -> torch.nn.Module:
-    from vocab_parallel_loss import VocabParallelCrossEntropy
-
-    return VocabParallelCrossEntropy(tp_group, **loss_config.loss_kwargs())
 
 
 class VocabParallelLossMixin:
@@ -48,7 +42,7 @@ class VocabParallelLossMixin:
             )
         if loss_config.fused_linear:
             self._check_fused_linear_supported()
-        self.vocab_parallel_loss = _loss_module(_compat.tp_group_of(self), loss_config)
+        self.vocab_parallel_loss = losses.loss_module(_compat.tp_group_of(self), loss_config)
         self._vpl_fused_linear = bool(loss_config.fused_linear and getattr(self, "post_process", True))
 
     def _check_fused_linear_supported(self) -> None:
@@ -56,8 +50,6 @@ class VocabParallelLossMixin:
         what = "vocab_parallel_loss --vocab-parallel-loss-fused-linear"
         if not hasattr(super(), "_postprocess"):
             raise TypeError(f"{what}: {type(self).__name__} has no GPTModel._postprocess to take over")
-        if getattr(self.config, "mtp_num_layers", None):
-            raise NotImplementedError(f"{what} does not support multi-token prediction (mtp_num_layers)")
         if getattr(self.config, "defer_embedding_wgrad_compute", False):
             raise NotImplementedError(
                 f"{what} computes the output weight's gradient itself: disable defer_embedding_wgrad_compute"
@@ -65,33 +57,27 @@ class VocabParallelLossMixin:
 
     def _vpl_loss_for(self, logits: torch.Tensor) -> torch.nn.Module:
         """The loss over vocab shards, or a single-shard one for logits gathered over TP."""
-        out = getattr(self, "output_layer", None)
-        full = getattr(out, "output_size", None)
-        local = getattr(out, "output_size_per_partition", full)
-        if full is not None and full != local and logits.size(-1) == full:
+        if losses.logits_are_gathered(getattr(self, "output_layer", None), logits):
             if self._vpl_gathered_loss is None:
-                self._vpl_gathered_loss = _loss_module(None, self.loss_config)
+                self._vpl_gathered_loss = losses.loss_module(None, self.loss_config)
             return self._vpl_gathered_loss
         return self.vocab_parallel_loss
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor, *args, **kwargs):
         """Per-token loss ``[b, s]`` (fp32) from ``labels [b, s]`` and ``logits [s, b, v/tp]``.
 
-        The logits are read where the output layer left them: no copy, no transpose.
+        megatron-core calls it for the main head and for every multi-token-prediction head. The
+        logits are read where the output layer left them: no copy, no transpose.
         """
         if self.vocab_parallel_loss is None:
             return super().compute_language_model_loss(labels, logits, *args, **kwargs)
-        target = labels.transpose(0, 1)  # [s, b]; a copy of N integers at most
-        if not target.is_contiguous():
-            target = target.contiguous()
-        loss = self._vpl_loss_for(logits)(logits, target)  # [s, b], fp32
-        return loss.transpose(0, 1).contiguous()
+        return losses.logits_loss(self._vpl_loss_for(logits), labels, logits)
 
     def _postprocess(self, *args, **kwargs):
-        """``GPTModel._postprocess``; with ``fused_linear`` and labels, the loss straight from the
-        output layer's input and weight (``linear_cross_entropy``): the logits never exist.
+        """``GPTModel._postprocess``; with ``fused_linear`` and labels, every head's loss straight
+        from the output layer's input and weight (``linear_cross_entropy``): no logits exist.
 
-        Everything else (no labels, inference, multi-token prediction) is megatron-core's own
+        Everything else (no labels, inference, an ``output_processor``) is megatron-core's own
         ``_postprocess``, so inference returns the same logits as without the fused path.
         """
         parent = super()._postprocess
@@ -100,41 +86,23 @@ class VocabParallelLossMixin:
         call = _compat.postprocess_arguments(parent, args, kwargs)
         if _compat.postprocess_needs_logits(self, call):
             return parent(*args, **kwargs)
-        return self._vpl_fused_linear_loss(call["hidden_states"], call["labels"])
+        hidden = call["hidden_states"]
+        if getattr(self.config, "mtp_num_layers", None):
+            if call.get("mtp_in_postprocess"):
+                hidden = self.mtp(embedding=self.embedding, **_compat.mtp_block_arguments(self.mtp, call))
+            hidden = mtp.add_mtp_losses(self, hidden, call, self._vpl_fused_linear_loss)
+        return self._vpl_fused_linear_loss(hidden, call["labels"])
 
-    def _vpl_fused_linear_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token loss ``[b, s]`` (fp32) of ``output_layer(hidden_states)`` against ``labels [b, s]``.
-
-        ``hidden_states`` is ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` under sequence
-        parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
-        does). The weight is the output layer's, or the embedding's when they are tied.
-        """
-        from ..functional import linear_cross_entropy
-
-        out = self.output_layer
-        if self.share_embeddings_and_output_weights:
-            weight = self.shared_embedding_or_output_weight()
-        else:
-            weight = out.weight
-        bias = getattr(out, "bias", None)  # GPTModel's output layer has none
-        if bias is not None and getattr(out, "skip_bias_add", False):
-            bias = None  # megatron-core returns it apart and leaves it out of the logits
-        if hidden_states.dtype != weight.dtype:
-            hidden_states = hidden_states.to(weight.dtype)
-        scale = _compat.output_logit_scale(self.config)
-        if scale != 1.0:  # s * (e @ c.T + b) == (s * e) @ c.T + s * b
-            hidden_states = hidden_states * scale
-            bias = None if bias is None else bias * scale
-        cfg = self.loss_config
-        target = labels.transpose(0, 1).contiguous()  # [s, b], like the hidden states
-        loss = linear_cross_entropy(
-            hidden_states, weight, target, bias,
-            ignore_index=cfg.ignore_index, reduction="none",
-            tp_group=self.vocab_parallel_loss.tp_group,
-            sequence_parallel=bool(getattr(out, "sequence_parallel", False)),
-            label_smoothing=cfg.label_smoothing, z_loss=cfg.z_loss, impl="auto",
-        )  # [s, b], fp32
-        return loss.transpose(0, 1).contiguous()
+    def _vpl_fused_linear_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor,
+                               weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Per-token loss ``[b, s]`` (fp32) of ``output_layer(hidden_states)`` against ``labels [b, s]``;
+        the weight is the output layer's, or the embedding's when they are tied."""
+        if weight is None:
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+                else self.output_layer.weight
+        return losses.fused_linear_loss(
+            hidden_states, weight, labels, output_layer=self.output_layer, config=self.config,
+            loss_config=self.loss_config, tp_group=self.vocab_parallel_loss.tp_group)
 
 
 class VocabParallelLossGPTModel(VocabParallelLossMixin, GPTModel):
@@ -154,46 +122,69 @@ class VocabParallelLossGPTModel(VocabParallelLossMixin, GPTModel):
 _SUBCLASSES: Dict[type, Type] = {GPTModel: VocabParallelLossGPTModel}
 
 
-def attach_vocab_parallel_loss(model: torch.nn.Module, loss_config: Optional[VocabParallelLossConfig] = None):
-    """Give an already built megatron-core language model (``GPTModel`` or a subclass) our loss.
+def resolve_loss_config(loss_config: Optional[VocabParallelLossConfig]) -> VocabParallelLossConfig:
+    """``loss_config``, or when None: the ``--vocab-parallel-loss*`` flags if Megatron-LM parsed
+    them in this process, else the loss enabled with default settings."""
+    if loss_config is not None:
+        return loss_config
+    args = _compat.megatron_lm_args()
+    if args is not None and hasattr(args, "vocab_parallel_loss"):
+        return VocabParallelLossConfig.from_args(args)
+    return VocabParallelLossConfig(enabled=True)
 
-    The instance's class becomes a subclass of its class that only overrides
-    ``compute_language_model_loss`` (and ``_postprocess``, which defers to megatron-core's unless
-    ``fused_linear``); nothing in megatron-core is patched.
+
+def _language_model(module: torch.nn.Module) -> torch.nn.Module:
+    """The megatron-core language model inside Megatron's wrappers (DDP, Float16Module, ...)."""
+    inner = module
+    while not hasattr(inner, "compute_language_model_loss") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    if not hasattr(inner, "compute_language_model_loss"):
+        raise TypeError(f"{type(module).__name__} is not (and does not wrap) a megatron-core language model")
+    return inner
+
+
+def attach_vocab_parallel_loss(model, loss_config: Optional[VocabParallelLossConfig] = None):
+    """Give built megatron-core language models (``GPTModel`` or a subclass) this package's loss.
+
+    ``model`` is one model or a list of model chunks (a Megatron-LM ``pre_wrap_hooks`` /
+    ``post_wrap_hooks`` entry: ``model_cfg.pre_wrap_hooks.append(attach_vocab_parallel_loss)``);
+    it is returned. Wrapped chunks (DDP, Float16Module) are unwrapped to the model. Each model's
+    class becomes a subclass of its class that only overrides ``compute_language_model_loss``
+    (and ``_postprocess``, which defers to megatron-core's unless ``fused_linear``); nothing in
+    megatron-core is patched. ``loss_config=None``: see :func:`resolve_loss_config`.
     """
-    if isinstance(model, VocabParallelLossMixin):
-        model._setup_vocab_parallel_loss(loss_config)
+    if isinstance(model, (list, tuple)):
+        for chunk in model:
+            attach_vocab_parallel_loss(chunk, loss_config)
         return model
-    cls = type(model)
-    if not hasattr(cls, "compute_language_model_loss"):
-        raise TypeError(f"{cls.__name__} is not a megatron-core language model")
-    sub = _SUBCLASSES.get(cls)
-    if sub is None:
-        sub = type(f"VocabParallelLoss{cls.__name__}", (VocabParallelLossMixin, cls), {})
-        _SUBCLASSES[cls] = sub
-    model.__class__ = sub
-    model._setup_vocab_parallel_loss(loss_config)
+    config = resolve_loss_config(loss_config)
+    inner = _language_model(model)
+    if not isinstance(inner, VocabParallelLossMixin):
+        cls = type(inner)
+        sub = _SUBCLASSES.get(cls)
+        if sub is None:
+            sub = type(f"VocabParallelLoss{cls.__name__}", (VocabParallelLossMixin, cls), {})
+            _SUBCLASSES[cls] = sub
+        inner.__class__ = sub
+    inner._setup_vocab_parallel_loss(config)
     return model
 
 
 def wrap_model_provider(
     model_provider: Callable[..., torch.nn.Module], loss_config: Optional[VocabParallelLossConfig] = None
 ) -> Callable[..., torch.nn.Module]:
-    """Wrap a Megatron-LM model provider so that the models it builds use our loss.
+    """Wrap a Megatron-LM model provider so that the models it builds use this package's loss:
+    ``wrap_model_provider(partial(model_provider, gpt_builder))`` in ``pretrain_gpt.py``.
 
-    ``loss_config=None`` reads the ``--vocab-parallel-loss*`` flags from Megatron-LM's global args
-    (``megatron.training.get_args()``). Without ``--vocab-parallel-loss`` the model keeps
-    megatron-core's loss. The wrapper has the provider's signature (``functools.wraps``).
+    ``loss_config=None``: the ``--vocab-parallel-loss*`` flags (:func:`resolve_loss_config`);
+    without ``--vocab-parallel-loss`` the model keeps megatron-core's loss. The wrapper has the
+    provider's signature (``functools.wraps``). Megatron-LM 0.19 and later build the model from a
+    ``GPTModelConfig`` and do not call a model provider: use :func:`attach_vocab_parallel_loss`
+    as a ``pre_wrap_hooks`` entry there.
     """
 
     @functools.wraps(model_provider)
     def provider(*args: Any, **kwargs: Any) -> torch.nn.Module:
-        model = model_provider(*args, **kwargs)
-        config = loss_config
-        if config is None:
-            from megatron.training import get_args
-
-            config = VocabParallelLossConfig.from_args(get_args())
-        return attach_vocab_parallel_loss(model, config)
+        return attach_vocab_parallel_loss(model_provider(*args, **kwargs), loss_config)
 
     return provider

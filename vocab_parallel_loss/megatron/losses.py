@@ -1,0 +1,77 @@
+"""The per-token loss ``[b, s]`` a megatron-core language model returns, computed by this package:
+from the output layer's logits ``[s, b, v/tp]``, or fused from its input and weight (no logits).
+
+Shared by the model subclass (``model.py``) and the ``output_processor`` (``output_processor.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import _compat
+from .config import VocabParallelLossConfig
+
+
+def loss_module(tp_group, loss_config: VocabParallelLossConfig) -> torch.nn.Module:
+    """``VocabParallelCrossEntropy`` on ``tp_group`` with the config's settings (per-token)."""
+    from vocab_parallel_loss import VocabParallelCrossEntropy
+
+    return VocabParallelCrossEntropy(tp_group, **loss_config.loss_kwargs())
+
+
+def logits_are_gathered(output_layer: Any, logits: torch.Tensor) -> bool:
+    """True when the output layer gathered the vocabulary (``parallel_output=False`` or
+    ``runtime_gather_output``): every rank then holds all the logits, a single shard."""
+    full = getattr(output_layer, "output_size", None)
+    local = getattr(output_layer, "output_size_per_partition", full)
+    return full is not None and full != local and logits.size(-1) == full
+
+
+def logits_loss(loss: torch.nn.Module, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` (fp32) of ``logits [s, b, v]`` read where the output layer left
+    them (no copy, no transpose) against ``labels [b, s]``."""
+    target = labels.transpose(0, 1)  # [s, b]; a copy of N integers at most
+    if not target.is_contiguous():
+        target = target.contiguous()
+    return loss(logits, target).transpose(0, 1).contiguous()
+
+
+def fused_linear_loss(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    output_layer: Any,
+    config: Any,
+    loss_config: VocabParallelLossConfig,
+    tp_group,
+) -> torch.Tensor:
+    """Per-token loss ``[b, s]`` (fp32) of ``output_layer(hidden_states)`` against ``labels [b, s]``.
+
+    ``hidden_states`` is ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` under sequence
+    parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
+    does). ``weight`` is the one megatron-core would pass the output layer (the embedding's when
+    tied); MuP's output multiplier is applied as megatron-core applies it to the logits.
+    """
+    from ..functional import linear_cross_entropy
+
+    bias: Optional[torch.Tensor] = getattr(output_layer, "bias", None)  # GPTModel's has none
+    if bias is not None and getattr(output_layer, "skip_bias_add", False):
+        bias = None  # megatron-core returns it apart and leaves it out of the logits
+    if hidden_states.dtype != weight.dtype:
+        hidden_states = hidden_states.to(weight.dtype)
+    scale = _compat.output_logit_scale(config)
+    if scale != 1.0:  # s * (e @ c.T + b) == (s * e) @ c.T + s * b
+        hidden_states = hidden_states * scale
+        bias = None if bias is None else bias * scale
+    target = labels.transpose(0, 1).contiguous()  # [s, b], like the hidden states
+    loss = linear_cross_entropy(
+        hidden_states, weight, target, bias,
+        ignore_index=loss_config.ignore_index, reduction="none",
+        tp_group=tp_group,
+        sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
+        label_smoothing=loss_config.label_smoothing, z_loss=loss_config.z_loss, impl="auto",
+    )  # [s, b], fp32
+    return loss.transpose(0, 1).contiguous()
