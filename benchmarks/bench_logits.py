@@ -189,12 +189,27 @@ def _mean(loss: torch.Tensor, reduction: str) -> torch.Tensor:
     return loss if reduction == "none" else loss.mean()
 
 
+class _Alias(torch.autograd.Function):
+    """The same buffer as a non-leaf: ``inplace_backward=True`` refuses a leaf (it would
+    overwrite a parameter), while the bench's leaf is a throwaway copy whose buffer the
+    gradient may take, as the in-place peers' gradients do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
 def _ours(inplace: bool):
     def make(env):
         from vocab_parallel_loss import cross_entropy
 
-        return lambda x, t, red, c: cross_entropy(x, t, reduction=red, label_smoothing=c.smoothing,
-                                                   z_loss=c.z_loss, inplace_backward=inplace)
+        return lambda x, t, red, c: cross_entropy(
+            _Alias.apply(x) if inplace else x, t, reduction=red, label_smoothing=c.smoothing,
+            z_loss=c.z_loss, inplace_backward=inplace)
 
     return make
 

@@ -38,6 +38,14 @@ def cross_entropy(
     gives a NaN loss for that token (``check_targets=True`` or the environment variable
     ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen, raises
     instead, at the cost of a host sync).
+
+    ``inplace_backward=True``: the backward writes the gradient over ``logits`` and bumps their
+    autograd version. Until then they keep their values; an autograd use of them whose backward
+    runs later (one recorded before this loss, or a second backward) raises. Reads after the
+    backward, outside autograd or by ops recorded after it, see the gradient: nothing can detect
+    those. ``ValueError`` for logits that are a leaf requiring grad or a view of one, or whose
+    elements share memory (expanded). The loss has no second derivative: a backward with
+    ``create_graph=True`` through it raises.
     """
     return logits_autograd.loss(logits, target, tp_group, label_smoothing, ignore_index,
                                 reduction, z_loss, inplace_backward, check_targets)
@@ -89,7 +97,8 @@ def linear_cross_entropy(
     full-vocabulary values. A target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN
     loss for that token (no out-of-bounds read). The gradient of ``c`` is this rank's slice; the
     gradient of ``e`` is the full gradient (summed over the group in fp32, rounded once).
-    Deterministic: no atomics; every sum is taken in a fixed order.
+    Deterministic: no atomics; every sum is taken in a fixed order. No second derivative: a
+    backward with ``create_graph=True`` through the loss raises.
     """
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)

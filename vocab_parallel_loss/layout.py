@@ -74,3 +74,18 @@ def like_rows(view: RowView) -> RowView:
     out = torch.empty(view.tensor.shape, dtype=view.tensor.dtype, device=view.tensor.device)
     v = view.vocab
     return RowView(out, view.D1, view.D1 * v, v)
+
+
+def may_overlap(view: RowView) -> bool:
+    """Whether two elements of ``view``'s rows may share memory (an expanded or overlapping
+    view). Sorted by stride, levels that do not overlap each start past the extent of the
+    smaller ones; a layout this cannot show apart counts as overlapping."""
+    d0 = view.rows // max(1, view.D1)
+    levels = sorted((s, n) for n, s in ((d0, view.s0), (view.D1, view.s1), (view.vocab, 1))
+                    if n > 1)
+    extent = 0  # the last element the smaller levels reach
+    for stride, size in levels:
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -12,7 +14,19 @@ from .backends import IMPLS
 from .functional import cross_entropy, linear_cross_entropy
 
 
-class VocabParallelCrossEntropy(nn.Module):
+class _SharesGroup:
+    """``copy.deepcopy`` of a loss module: the copy runs on the same process group (a
+    ``ProcessGroup`` cannot be copied, and a copy of one would not be a group of its ranks)."""
+
+    def __deepcopy__(self, memo):
+        memo[id(self.tp_group)] = self.tp_group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return new
+
+
+class VocabParallelCrossEntropy(_SharesGroup, nn.Module):
     """Cross entropy over vocabulary-sharded logits; every rank gets the full-vocabulary loss.
 
     ``forward(logits, target)``: ``logits`` is ``(..., V_local)`` (any strides: Megatron's
@@ -46,7 +60,7 @@ class VocabParallelCrossEntropy(nn.Module):
                 f"inplace_backward={self.inplace_backward}")
 
 
-class VocabParallelLinearCrossEntropy(nn.Module):
+class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
     """Loss from hidden states and this rank's classifier rows; see ``linear_cross_entropy``.
 
     The module holds only options (no parameters): ``forward(e, c, targets, bias=None)`` where

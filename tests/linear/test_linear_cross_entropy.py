@@ -7,12 +7,14 @@ chunks), ``impl="torch"`` the chunked PyTorch path. Odd N, H and V exercise ever
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 
 import pytest
 import torch
 
+from tests._process_group import single_rank_group
 from tests.linear._lce_oracle import lce_reference, reference_grads
 from vocab_parallel_loss import VocabParallelLinearCrossEntropy, backends, linear_cross_entropy
 from vocab_parallel_loss.reference.linear import TorchBackend
@@ -286,6 +288,39 @@ def test_module(impl):
     mod2 = VocabParallelLinearCrossEntropy(return_lse=True, impl=impl)
     out, lse = mod2(e, c, t, b)
     assert lse.shape == t.shape
+
+
+def test_module_deepcopy_shares_the_process_group(impl, tmp_path):
+    e, c, _, t = make(lead=(2, 19))
+    with single_rank_group(tmp_path) as group:
+        mod = VocabParallelLinearCrossEntropy(reduction="sum", shift=1, tp_group=group, impl=impl)
+        clone = copy.deepcopy(mod)
+        assert clone is not mod and clone.tp_group is group and repr(clone) == repr(mod)
+        torch.testing.assert_close(clone(e, c, t), mod(e, c, t), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("return_lse", [False, True])
+def test_double_backward_is_a_clear_error(impl, reduction, return_lse):
+    # a gradient penalty or Hessian-vector product needs the loss's second derivative
+    e, c, b, t = make(bias=True)
+    out = linear_cross_entropy(e, c, t, b, reduction=reduction, return_lse=return_lse, impl=impl)
+    total = sum(x.sum() for x in out) if return_lse else out.sum()
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(total, (e, c), create_graph=True)
+    got = torch.autograd.grad(total, (e, c))  # first order is unaffected
+    leaves = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    ref = lce_reference(*leaves[:2], t, leaves[2], reduction=reduction)
+    ref_total = ref[0].sum() + (ref[1].sum() if return_lse else 0)
+    assert_grads_close(got, torch.autograd.grad(ref_total, leaves[:2]), torch.float32)
+
+
+def test_grad_in_forward_double_backward_is_a_clear_error(grad_in_forward):
+    e, c, b, t = make(bias=True)
+    loss = linear_cross_entropy(e, c, t, b, impl="triton")
+    with pytest.raises(RuntimeError, match="second derivative"):
+        torch.autograd.grad(loss, e, create_graph=True)
+    assert grad_in_forward
 
 
 @pytest.mark.skipif(not interpreting(), reason="needs TRITON_INTERPRET=1")

@@ -30,6 +30,7 @@ import torch
 from .. import communication
 from ..formulas import merge_stats, token_loss
 from ..reference.linear import TorchBackend
+from .first_order import refuse_double_backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, grad_lse):
+        if torch.is_grad_enabled():  # create_graph=True
+            refuse_double_backward("linear_cross_entropy")
         e, c, bias, targets, lse, count, de_f, dc_f, db_f = ctx.saved_tensors
         o: _Opts = ctx.o
         v_global, v_offset, full_shape, shifted_shape = ctx.meta

@@ -8,8 +8,9 @@ Backward: no communication; one pass recomputes the softmax from the saved lse a
 gradient, rounded once to the logits dtype, into a new tensor or over the logits.
 
 A ``"mean"``/``"sum"`` loss on one shard takes a fused path instead (``_fused_forward``): the
-forward kernel also writes the gradient for a unit upstream gradient, and backward acts only
-when the upstream gradient is not 1.
+forward kernel also writes the gradient, into a new tensor, for a unit upstream gradient, and
+backward acts only when the upstream gradient is not 1. ``inplace_backward=True`` never takes
+it: a gradient written over the logits in forward would be read by any later use of them.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch
 
 from .. import checks, communication, settings
 from ..backends import logits_backend, triton_logits
-from ..layout import RowView, like_rows, row_view
+from ..layout import RowView, like_rows, may_overlap, row_view
 from ..runtime import compiling
 from . import compiled_ops
+from .first_order import refuse_double_backward
 from .steps import backward_impl, forward_impl, loss_options
 
 
@@ -40,6 +42,7 @@ class _Plan(NamedTuple):
     inplace_backward: bool
     rows: Optional[tuple]  # (D1, s0, s1) when the logits are read in place, else None
     fused: bool  # a reduced loss whose gradient is formed in forward (``_fused_forward``)
+    overlaps: bool  # elements of the logits may share memory: no gradient can be written over them
     memo: dict  # launches remembered by the kernels (kernels/launch.launch_memo)
     # VOCAB_PARALLEL_LOSS_CHECK_TARGETS, read here rather than per call: an environment
     # lookup costs ~1 us of host time (1.5 us on the CI machine), 3-5% of a forward's
@@ -76,12 +79,17 @@ def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reductio
                         float(z_loss))
     view = row_view(logits)
     rows = (view.D1, view.s0, view.s1) if view.tensor is logits else None
+    # a layout read from a copy is written over the copy
+    overlaps = bool(inplace_backward) and rows is not None and may_overlap(view)
     # every vocabulary size: measured faster than two passes up to 256K columns, where the rows
-    # in flight outgrow the L2 (kernels/logits.py, fused_config)
-    fused = (reduction != "none" and opts.vocab_size == logits.shape[-1]
+    # in flight outgrow the L2 (kernels/logits.py, fused_config). Not in place: the gradient
+    # would be in the logits by the time the loss returns, where a use of the logits recorded
+    # after the loss reads it, which no version counter can catch (its backward runs first)
+    fused = (reduction != "none" and not inplace_backward
+             and opts.vocab_size == logits.shape[-1]
              and logits_backend(logits) is triton_logits
              and settings.flag(settings.FUSED_REDUCED, True))
-    plan = _Plan(tp_group, opts, reduction, bool(inplace_backward), rows, fused, {},
+    plan = _Plan(tp_group, opts, reduction, bool(inplace_backward), rows, fused, overlaps, {},
                  settings.flag(settings.CHECK_TARGETS, False))
     return plan, verified
 
@@ -94,40 +102,32 @@ def _fused_forward(ctx, view, t, plan):
     n, device = t.numel(), view.tensor.device
     mean = plan.reduction == "mean"
     count = backend.count(t, opts.ignore_index, memo) if mean else None
-    dview = view if plan.inplace_backward else like_rows(view)
+    dview = like_rows(view)
     buf = torch.empty((2, n), dtype=torch.float32, device=device)
     loss, lse = buf[0], buf[1]
     backend.forward_grad(view, dview, t, loss, lse, count, opts, memo)
     out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count, chained=True)
-    if plan.inplace_backward:
-        # the logits now hold the gradient: make any later use of them fail loudly
-        torch.autograd.graph.increment_version(view.tensor)
-    ctx.save_for_backward(view.tensor, t, lse, count, dview.tensor)
+    ctx.save_for_backward(view.tensor, t, lse, count)
     ctx.rows = (view.D1, view.s0, view.s1)
-    ctx.grad_rows = (dview.D1, dview.s0, dview.s1)
     ctx.plan = plan
-    ctx.grad_taken = False
+    # on ctx, not saved: the buffer is handed out as the gradient, and a caller who changes it
+    # in place must not make a second backward (which never reads it) fail the version check
+    ctx.grad = dview
     return out
 
 
 def _fused_backward(ctx, dloss):
-    logits, t, lse, count, grad = ctx.saved_tensors
+    logits, t, lse, count = ctx.saved_tensors
     plan = ctx.plan
-    if ctx.grad_taken:  # a second backward through a retained graph: the buffer is handed out
-        if plan.inplace_backward:
-            raise RuntimeError("a loss with inplace_backward=True was differentiated twice "
-                               "(retain_graph): its logits hold the first gradient; use "
-                               "inplace_backward=False to backward more than once")
-        return backward_impl(RowView(logits, *ctx.rows), t, lse, dloss, count, plan.opts,
-                             False, plan.memo)
-    ctx.grad_taken = True
-    dview = RowView(grad, *ctx.grad_rows)
-    if plan.inplace_backward:  # the logits are gone: scale the gradient when dloss != 1
-        triton_logits.scale_grad(dview, t, dloss, plan.opts.ignore_index, plan.memo)
-    else:  # recompute it from the logits when dloss != 1 (rounded once, as in two passes)
-        triton_logits.backward(RowView(logits, *ctx.rows), dview, t, lse, dloss, count,
-                                 plan.opts, plan.memo, unless_unit=True)
-    return grad
+    view = RowView(logits, *ctx.rows)
+    dview = ctx.grad
+    if dview is None:  # a second backward through a retained graph: the buffer is handed out
+        return backward_impl(view, t, lse, dloss, count, plan.opts, False, plan.memo)
+    ctx.grad = None
+    # recompute the gradient from the logits when dloss != 1 (rounded once, as in two passes)
+    triton_logits.backward(view, dview, t, lse, dloss, count, plan.opts, plan.memo,
+                           unless_unit=True)
+    return dview.tensor
 
 
 def _loss_forward(ctx, logits, target, plan):
@@ -165,6 +165,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss):
+        if torch.is_grad_enabled():  # create_graph=True
+            refuse_double_backward("cross_entropy")
         if ctx.fused:
             return _fused_backward(ctx, dloss), None, None
         logits, t, lse, count = ctx.saved_tensors
@@ -181,6 +183,21 @@ try:
     _functorch_active = torch._C._are_functorch_transforms_active
 except AttributeError:  # pragma: no cover - another torch: the public apply only
     _apply_no_functorch = _functorch_active = None
+
+
+def _refuse_inplace(logits, plan) -> None:
+    """Raise when ``inplace_backward=True`` cannot write the gradient over ``logits``."""
+    if plan.overlaps:
+        raise ValueError(
+            "inplace_backward=True writes the gradient over the logits, but elements of these "
+            f"logits share memory (an expanded or overlapping view: shape {tuple(logits.shape)}, "
+            f"strides {logits.stride()}); use inplace_backward=False")
+    base = logits._base
+    if logits.is_leaf or (base is not None and base.is_leaf and base.requires_grad):
+        raise ValueError(
+            "inplace_backward=True would write the gradient over a leaf tensor that requires "
+            "grad (a parameter, or a view of one); pass logits computed from it, or use "
+            "inplace_backward=False")
 
 
 def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
@@ -211,6 +228,8 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
     if not (logits.requires_grad and torch.is_grad_enabled()):  # no graph to record: skip the
         # autograd Function's cost (and the fused path's gradient)
         return _loss_forward(None, logits, target, plan)
+    if plan.inplace_backward:
+        _refuse_inplace(logits, plan)
     if _apply_no_functorch is not None and not _functorch_active():
         return _apply_no_functorch(logits, target, plan)
     return _VocabParallelCrossEntropy.apply(logits, target, plan)

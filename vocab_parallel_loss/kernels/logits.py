@@ -478,28 +478,6 @@ def _ce_forward_grad_kernel(
             tl.store(loss_ptr + row, loss)
 
 
-@triton.jit
-def _ce_scale_grad_kernel(dx_ptr, tgt_ptr, dloss_ptr, N, V_local, D1, d0, d1, tgt_stride,
-                          ignore_index, BLOCK: tl.constexpr):
-    """dx *= g for a scalar upstream gradient g != 1 (the in-place fused path: the logits are
-    gone, so the gradient is scaled, a second rounding). Ignored rows stay 0. A few programs
-    per multiprocessor loop over rows: with g == 1 they exit at once."""
-    g = tl.load(dloss_ptr).to(tl.float32)
-    if g != 1.0:
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        cols = tl.arange(0, BLOCK)
-        for i in range(0, tl.cdiv(N - pid, n_prog)):
-            row = pid + i * n_prog
-            t = tl.load(tgt_ptr + row.to(tl.int64) * tgt_stride)
-            if t != ignore_index:
-                dx_row = dx_ptr + _row_start(row, D1, d0, d1)
-                for start in range(0, V_local, BLOCK):
-                    idx = start + cols
-                    mask = idx < V_local
-                    dx = tl.load(dx_row + idx, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(dx_row + idx, (dx * g).to(dx_ptr.dtype.element_ty), mask=mask)
-
-
 def _block(v_local: int, cap: int) -> int:
     return max(16, min(cap, 1 << (v_local - 1).bit_length()))  # triton.next_power_of_2
 
@@ -759,20 +737,3 @@ def forward_grad(view, dview, target, loss, lse, count, opts, memo=None):
         launch(_ce_forward_grad_kernel, grid, *args, **kwargs())
     else:
         launch_memo(memo, ("forward_grad", mean), _ce_forward_grad_kernel, grid, args, kwargs)
-
-
-def scale_grad(dview, target, dloss, ignore_index, memo=None):
-    """``dview *= dloss`` (a scalar) unless it is 1, decided on the device."""
-    n, x = target.numel(), dview.tensor
-    v_local = x.shape[-1]
-    args = (x, target, dloss, n, v_local, dview.D1, dview.s0, dview.s1, target.stride(0),
-            ignore_index)
-    grid = (min(n, UNLESS_UNIT_PER_SM * multiprocessors(x.device)),)
-
-    def kwargs():
-        return dict(BLOCK=_block(v_local, 8192), num_warps=8)
-
-    if memo is None:
-        launch(_ce_scale_grad_kernel, grid, *args, **kwargs())
-    else:
-        launch_memo(memo, ("scale_grad",), _ce_scale_grad_kernel, grid, args, kwargs)
