@@ -180,6 +180,58 @@ def test_positional_labels_return_dict_false_and_shift_labels():
         assert abs(got.item() - ref.loss.item()) <= LOSS_ATOL
 
 
+def _assert_same_values(got, ref, path="out"):
+    """Equal structure and values (tensors close; caches and other objects of the same type)."""
+    if torch.is_tensor(ref):
+        assert torch.is_tensor(got), path
+        torch.testing.assert_close(got, ref, msg=path)
+    elif isinstance(ref, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(ref), path
+        for i, (g, r) in enumerate(zip(got, ref)):
+            _assert_same_values(g, r, f"{path}[{i}]")
+    else:
+        assert type(got) is type(ref), path
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("mistral", {}),
+    ("mistral", {"output_hidden_states": True, "use_cache": False}),
+    ("qwen2_moe", {}),  # aux_loss sits between the loss and the logits
+    ("gemma3_text", {"output_attentions": True}),
+], ids=["plain", "hidden_states_no_cache", "moe_aux_loss", "attentions"])
+def test_return_dict_false_tuple_positions_match_transformers(model_type, extra):
+    """With return_dict=False the tuple has transformers' positions: the logits' slot holds None
+    and every other element is where the unpatched model puts it."""
+    model = make_model(model_type)
+    ids, mask, labels = make_batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False, **extra)
+    with torch.no_grad():
+        ref = model(**inputs)
+        vh.patch(model, impl="torch")
+        got = model(**inputs)
+    assert isinstance(ref, tuple) and isinstance(got, tuple)
+    assert len(got) == len(ref), (len(got), len(ref))
+    logits_slot = [i for i, t in enumerate(ref)
+                   if torch.is_tensor(t) and t.shape == (*ids.shape, model.config.vocab_size)]
+    assert len(logits_slot) == 1
+    assert got[logits_slot[0]] is None
+    assert abs(got[0].item() - ref[0].item()) <= LOSS_ATOL
+    for i in range(1, len(ref)):
+        if i != logits_slot[0]:
+            _assert_same_values(got[i], ref[i], f"out[{i}]")
+
+
+def test_tuple_from_a_forward_that_ignores_return_dict():
+    """A forward that returned its legacy tuple anyway: the stub's (empty) logits keep their
+    slot, as None, after the loss."""
+    from vocab_parallel_loss.transformers._patch import _with_loss
+
+    loss, aux, cache = torch.tensor(1.5), torch.tensor(0.25), object()
+    stub = torch.empty(2, 9, 0)
+    assert _with_loss((stub, cache), loss, False) == (loss, None, cache)
+    assert _with_loss((aux, stub, cache), loss, False) == (loss, aux, None, cache)
+
+
 def test_reductions():
     model = make_model("phi3")
     ids, mask, labels = make_batch()

@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from ._loss import REDUCTIONS, causal_lm_loss
@@ -241,11 +242,21 @@ def _plus_router_loss(model, out, loss, reduction: str):
 
 
 def _with_loss(out, loss, return_dict: bool):
-    if isinstance(out, tuple):  # a forward that ignored return_dict=True: (logits, *rest)
-        return (loss,) + tuple(out[1:])
+    """The original's output with ``loss`` set and ``logits=None``. As a tuple it has the
+    original's positions: transformers leaves out the fields that are None, but keeps a slot for
+    the logits it computed, so the logits' slot stays there, holding None."""
+    if isinstance(out, tuple):  # a forward that ignored return_dict=True: the stub's output
+        return (loss,) + tuple(None if _is_stub_output(t) else t for t in out)
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    new = type(out)(loss=loss, **fields)
-    return new if return_dict else new.to_tuple()
+    if return_dict:
+        return type(out)(loss=loss, **fields)
+    full = type(out)(loss=loss, logits=out.get("logits"), **fields)
+    return tuple(None if k == "logits" else full[k] for k in full.keys())
+
+
+def _is_stub_output(value) -> bool:
+    """What the LM head stub returns (an empty last dimension), or a view of it."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[-1] == 0
 
 
 def _check_options(reduction, impl, train_only, label_smoothing, z_loss) -> PatchOptions:
