@@ -97,7 +97,7 @@ def test_lm_head_bias():
     assert "lm_head.bias" in got_grads
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "gemma3n_text", "gemma4_text"])
 def test_final_logit_softcapping(model_type):
     cap = 1.5
     model = make_model(model_type, final_logit_softcapping=cap)
@@ -107,7 +107,7 @@ def test_final_logit_softcapping(model_type):
         ref = model(input_ids=ids, labels=labels).loss
         vh.patch(model, impl="torch")
         got = model(input_ids=ids, labels=labels).loss
-        model.config.final_logit_softcapping = None
+        model.config.final_logit_softcapping = 1e6  # no cap, in effect (some configs refuse None)
         uncapped = model(input_ids=ids, labels=labels).loss
     assert abs(got.item() - ref.item()) <= LOSS_ATOL
     assert abs(uncapped.item() - ref.item()) > 1e-3  # the cap does change this loss
@@ -288,6 +288,35 @@ def test_patch_model_type_and_instance_scope():
     assert b(input_ids=ids, labels=labels).logits is not None
 
 
+# the multimodal model type of a family whose text causal LM is patched
+TEXT_ALIASES = {"gemma3_text": "gemma3", "llama4_text": "llama4", "gemma3n_text": "gemma3n",
+                "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5",
+                "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_patch_by_model_type(model_type):
+    """Each family's config.model_type (and the multimodal type of a text model) patches its
+    causal-LM class, so an existing model computes the unpatched loss without logits."""
+    ids, mask, labels = make_batch()
+    model = make_model(model_type)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    cls = type(model)
+    for name in dict.fromkeys([model_type, TEXT_ALIASES.get(model_type, model_type)]):
+        assert name in vh.SUPPORTED_MODEL_TYPES
+        original = cls.forward
+        try:
+            assert vh.patch(name, impl="torch") is cls and vh.is_patched(name)
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        finally:
+            vh.unpatch(name)
+        assert cls.forward is original
+        assert out.logits is None
+        assert abs(out.loss.item() - ref.item()) <= LOSS_ATOL, (name, out.loss.item(), ref.item())
+
+
 def test_unsupported_raises():
     with pytest.raises(ValueError, match="llama.*qwen3|supported model types"):
         vh.patch("gpt2")
@@ -295,7 +324,7 @@ def test_unsupported_raises():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported model types"):
         vh.patch(transformers.GPT2LMHeadModel(config))
     seq_cls = transformers.LlamaForSequenceClassification(make_model("llama").config)
-    with pytest.raises(ValueError, match="supported model types: cohere, gemma, gemma2, gemma3"):
+    with pytest.raises(ValueError, match=r"supported model types: cohere, .*\bllama\b.*\bqwen3\b"):
         vh.patch(seq_cls)
     with pytest.raises(ValueError, match="reduction"):
         vh.patch("llama", reduction="avg")
@@ -321,7 +350,12 @@ def test_triton_impl_under_interpreter():
     _assert_grads_close(ref_grads, got_grads)
 
 
-def test_trainer_gradient_accumulation(tmp_path):
+NEWER_FAMILIES = ["llama4_text", "deepseek_v3", "gemma3n_text", "qwen3_next", "qwen3_5_text",
+                  "qwen3_5_moe_text", "gpt_oss", "glm4_moe", "olmo3"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", *NEWER_FAMILIES])
+def test_trainer_gradient_accumulation(tmp_path, model_type):
     """The Trainer passes num_items_in_batch under gradient accumulation: same losses and
     weights as unpatched."""
     pytest.importorskip("accelerate")
@@ -335,7 +369,7 @@ def test_trainer_gradient_accumulation(tmp_path):
         return rows
 
     def train(patched):
-        model = make_model("llama", seed=5)
+        model = make_model(model_type, seed=5)
         if patched:
             vh.patch(model, impl="torch")
         args = transformers.TrainingArguments(
