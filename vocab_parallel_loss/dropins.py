@@ -3,11 +3,14 @@ megatron-core's ``vocab_parallel_cross_entropy``, computed by ``functional.cross
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Optional
 
 import torch
 
+from . import communication
+from .autograd.compiled_ops import ce_forward
 from .functional import cross_entropy
 
 
@@ -19,16 +22,24 @@ def parallel_cross_entropy(
     dist_process_group=None,
     ignore_idx: int = -100,
     is_cg_capturable: bool = False,
+    z_loss_weight: float = 0.0,
     *,
+    overwrite_input: bool = False,
+    return_log_sum_exp: bool = False,
     _input: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
+):
     """Drop-in for TransformerEngine's ``parallel_cross_entropy``.
 
     ``inp`` is ``(B, SQ, V_local)`` or ``(SQ, B, V_local)`` (any strides), ``target`` has the same
     two leading dims. Returns the fp32 per-token loss shaped like ``target``, or with
     ``reduce_loss=True`` its mean over non-ignored tokens. ``is_cg_capturable`` is accepted for
     compatibility: this implementation never synchronises with the host, so it is always
-    capturable. ``_input`` is the deprecated name of ``inp``.
+    capturable. ``z_loss_weight`` adds ``z_loss_weight * lse**2`` per token.
+    ``overwrite_input=True`` writes the gradient over ``inp`` during backward (no gradient
+    buffer); ``inp`` keeps its values until then. ``return_log_sum_exp=True`` returns
+    ``(loss, lse)``: the fp32 full-vocabulary log-sum-exp per token, shaped like ``target``, 0 for
+    ignored tokens and not differentiable; it costs one more read of ``inp``. ``_input`` is the
+    deprecated name of ``inp``.
     """
     del is_cg_capturable  # always capturable
     if _input is not None:
@@ -39,9 +50,30 @@ def parallel_cross_entropy(
         inp = _input
     if inp is None or target is None:
         raise ValueError("parallel_cross_entropy needs `inp` and `target`")
-    return cross_entropy(inp, target, tp_group=dist_process_group,
-                         label_smoothing=label_smoothing, ignore_index=ignore_idx,
-                         reduction="mean" if reduce_loss else "none")
+    if not math.isfinite(float(z_loss_weight)) or z_loss_weight < 0:
+        raise ValueError(f"z_loss_weight must be a finite number >= 0, got {z_loss_weight}")
+    options = dict(tp_group=dist_process_group, label_smoothing=label_smoothing,
+                   ignore_index=ignore_idx, z_loss=z_loss_weight)
+    if overwrite_input:
+        # per token, then reduced here: the gradient reaches inp only in backward (a reduced loss
+        # on one shard would otherwise form it in the forward kernel, over inp's values)
+        loss = cross_entropy(inp, target, reduction="none", inplace_backward=True, **options)
+        if reduce_loss:
+            loss = loss.sum() / (target.long() != ignore_idx).sum().clamp(min=1)
+    else:
+        loss = cross_entropy(inp, target, reduction="mean" if reduce_loss else "none", **options)
+    if not return_log_sum_exp:
+        return loss
+    return loss, _log_sum_exp(inp, target, dist_process_group, ignore_idx)
+
+
+def _log_sum_exp(inp, target, group, ignore_idx) -> torch.Tensor:
+    """The full-vocabulary lse per token (0 where ignored) from the loss's own forward step."""
+    with torch.no_grad():
+        _, lse = ce_forward(inp.detach(), target, communication.group_key(group),
+                            int(ignore_idx), 0.0, 0.0)
+        lse = lse.view(target.shape)
+        return torch.where(target.long() == ignore_idx, torch.zeros_like(lse), lse)
 
 
 def _megatron_tp_group():
@@ -56,7 +88,7 @@ def _megatron_tp_group():
 
 
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
-                                 label_smoothing: float = 0.0, *, tp_group=None) -> torch.Tensor:
+                                 label_smoothing: float = 0.0, tp_group=None) -> torch.Tensor:
     """Drop-in for ``megatron.core.tensor_parallel.vocab_parallel_cross_entropy``.
 
     Per-token fp32 loss with the target's shape. ``tp_group=None`` uses megatron-core's tensor

@@ -65,10 +65,19 @@ def check_case(group, *, api, layout, dtype, reduction, smoothing, z_loss, v_loc
         y = x * 1
         loss = VocabParallelCrossEntropy(group, reduction=reduction, z_loss=z_loss,
                                          inplace_backward=True, **kw)(y, target_d)
-    elif api == "transformer_engine":
-        loss = parallel_cross_entropy(x, target_d, smoothing, reduction == "mean", group)
-    else:
-        loss = vocab_parallel_cross_entropy(x, target_d, smoothing, tp_group=group)
+    elif api == "transformer_engine":  # with the z-loss and the lse of TransformerEngine's PRs
+        loss, lse = parallel_cross_entropy(x, target_d, smoothing, reduction == "mean", group,
+                                           -100, False, z_loss, return_log_sum_exp=True)
+        ref_lse = torch.logsumexp(full.double(), -1) * (target != -100)
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+        same_on_every_rank(lse, group)
+    elif api == "transformer_engine_overwrite":  # the gradient written over the logits
+        y = x * 1
+        loss = parallel_cross_entropy(y, target_d, smoothing, reduction == "mean", group,
+                                      overwrite_input=True)
+        assert torch.equal(y.detach(), x.detach()), "logits overwritten before backward"
+    else:  # tp_group positional, as megatron-core main takes it
+        loss = vocab_parallel_cross_entropy(x, target_d, smoothing, group)
     ref_kw = dict(label_smoothing=smoothing, z_loss=z_loss, reduction=reduction)
     ref_loss, ref_grad = full_vocab_loss_and_grad(full, target, upstream if reduction == "none" else None, **ref_kw)
     (grad,) = torch.autograd.grad(loss, x, upstream_d if reduction == "none" else None)
@@ -153,10 +162,12 @@ def main() -> None:
         for api, reductions in [("module", ["none", "mean", "sum"]),
                                 ("module_inplace", ["none", "mean"]),
                                 ("transformer_engine", ["none", "mean"]),
+                                ("transformer_engine_overwrite", ["mean"]),
                                 ("megatron", ["none"])]:
+            with_z = api in ("module", "transformer_engine")
             for reduction in reductions:
                 for layout in ["bsv", "sbv"]:
-                    for smoothing, z_loss in [(0.0, 0.0), (0.1, 1e-3 if api == "module" else 0.0)]:
+                    for smoothing, z_loss in [(0.0, 0.0), (0.1, 1e-3 if with_z else 0.0)]:
                         check_case(group, api=api, layout=layout, dtype=torch.float32,
                                    reduction=reduction, smoothing=smoothing, z_loss=z_loss)
                         n += 1

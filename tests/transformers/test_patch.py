@@ -97,7 +97,7 @@ def test_lm_head_bias():
     assert "lm_head.bias" in got_grads
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text", "gemma3n_text", "gemma4_text"])
 def test_final_logit_softcapping(model_type):
     cap = 1.5
     model = make_model(model_type, final_logit_softcapping=cap)
@@ -107,7 +107,7 @@ def test_final_logit_softcapping(model_type):
         ref = model(input_ids=ids, labels=labels).loss
         vh.patch(model, impl="torch")
         got = model(input_ids=ids, labels=labels).loss
-        model.config.final_logit_softcapping = None
+        model.config.final_logit_softcapping = 1e6  # no cap, in effect (some configs refuse None)
         uncapped = model(input_ids=ids, labels=labels).loss
     assert abs(got.item() - ref.item()) <= LOSS_ATOL
     assert abs(uncapped.item() - ref.item()) > 1e-3  # the cap does change this loss
@@ -180,6 +180,58 @@ def test_positional_labels_return_dict_false_and_shift_labels():
         assert abs(got.item() - ref.loss.item()) <= LOSS_ATOL
 
 
+def _assert_same_values(got, ref, path="out"):
+    """Equal structure and values (tensors close; caches and other objects of the same type)."""
+    if torch.is_tensor(ref):
+        assert torch.is_tensor(got), path
+        torch.testing.assert_close(got, ref, msg=path)
+    elif isinstance(ref, (tuple, list)):
+        assert isinstance(got, (tuple, list)) and len(got) == len(ref), path
+        for i, (g, r) in enumerate(zip(got, ref)):
+            _assert_same_values(g, r, f"{path}[{i}]")
+    else:
+        assert type(got) is type(ref), path
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("mistral", {}),
+    ("mistral", {"output_hidden_states": True, "use_cache": False}),
+    ("qwen2_moe", {}),  # aux_loss sits between the loss and the logits
+    ("gemma3_text", {"output_attentions": True}),
+], ids=["plain", "hidden_states_no_cache", "moe_aux_loss", "attentions"])
+def test_return_dict_false_tuple_positions_match_transformers(model_type, extra):
+    """With return_dict=False the tuple has transformers' positions: the logits' slot holds None
+    and every other element is where the unpatched model puts it."""
+    model = make_model(model_type)
+    ids, mask, labels = make_batch()
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False, **extra)
+    with torch.no_grad():
+        ref = model(**inputs)
+        vh.patch(model, impl="torch")
+        got = model(**inputs)
+    assert isinstance(ref, tuple) and isinstance(got, tuple)
+    assert len(got) == len(ref), (len(got), len(ref))
+    logits_slot = [i for i, t in enumerate(ref)
+                   if torch.is_tensor(t) and t.shape == (*ids.shape, model.config.vocab_size)]
+    assert len(logits_slot) == 1
+    assert got[logits_slot[0]] is None
+    assert abs(got[0].item() - ref[0].item()) <= LOSS_ATOL
+    for i in range(1, len(ref)):
+        if i != logits_slot[0]:
+            _assert_same_values(got[i], ref[i], f"out[{i}]")
+
+
+def test_tuple_from_a_forward_that_ignores_return_dict():
+    """A forward that returned its legacy tuple anyway: the stub's (empty) logits keep their
+    slot, as None, after the loss."""
+    from vocab_parallel_loss.transformers._patch import _with_loss
+
+    loss, aux, cache = torch.tensor(1.5), torch.tensor(0.25), object()
+    stub = torch.empty(2, 9, 0)
+    assert _with_loss((stub, cache), loss, False) == (loss, None, cache)
+    assert _with_loss((aux, stub, cache), loss, False) == (loss, aux, None, cache)
+
+
 def test_reductions():
     model = make_model("phi3")
     ids, mask, labels = make_batch()
@@ -236,6 +288,35 @@ def test_patch_model_type_and_instance_scope():
     assert b(input_ids=ids, labels=labels).logits is not None
 
 
+# the multimodal model type of a family whose text causal LM is patched
+TEXT_ALIASES = {"gemma3_text": "gemma3", "llama4_text": "llama4", "gemma3n_text": "gemma3n",
+                "gemma4_text": "gemma4", "qwen3_5_text": "qwen3_5",
+                "qwen3_5_moe_text": "qwen3_5_moe"}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_patch_by_model_type(model_type):
+    """Each family's config.model_type (and the multimodal type of a text model) patches its
+    causal-LM class, so an existing model computes the unpatched loss without logits."""
+    ids, mask, labels = make_batch()
+    model = make_model(model_type)
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    cls = type(model)
+    for name in dict.fromkeys([model_type, TEXT_ALIASES.get(model_type, model_type)]):
+        assert name in vh.SUPPORTED_MODEL_TYPES
+        original = cls.forward
+        try:
+            assert vh.patch(name, impl="torch") is cls and vh.is_patched(name)
+            with torch.no_grad():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        finally:
+            vh.unpatch(name)
+        assert cls.forward is original
+        assert out.logits is None
+        assert abs(out.loss.item() - ref.item()) <= LOSS_ATOL, (name, out.loss.item(), ref.item())
+
+
 def test_unsupported_raises():
     with pytest.raises(ValueError, match="llama.*qwen3|supported model types"):
         vh.patch("gpt2")
@@ -243,7 +324,7 @@ def test_unsupported_raises():
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*supported model types"):
         vh.patch(transformers.GPT2LMHeadModel(config))
     seq_cls = transformers.LlamaForSequenceClassification(make_model("llama").config)
-    with pytest.raises(ValueError, match="supported model types: cohere, gemma, gemma2, gemma3"):
+    with pytest.raises(ValueError, match=r"supported model types: cohere, .*\bllama\b.*\bqwen3\b"):
         vh.patch(seq_cls)
     with pytest.raises(ValueError, match="reduction"):
         vh.patch("llama", reduction="avg")
@@ -269,7 +350,12 @@ def test_triton_impl_under_interpreter():
     _assert_grads_close(ref_grads, got_grads)
 
 
-def test_trainer_gradient_accumulation(tmp_path):
+NEWER_FAMILIES = ["llama4_text", "deepseek_v3", "gemma3n_text", "qwen3_next", "qwen3_5_text",
+                  "qwen3_5_moe_text", "gpt_oss", "glm4_moe", "olmo3"]
+
+
+@pytest.mark.parametrize("model_type", ["llama", *NEWER_FAMILIES])
+def test_trainer_gradient_accumulation(tmp_path, model_type):
     """The Trainer passes num_items_in_batch under gradient accumulation: same losses and
     weights as unpatched."""
     pytest.importorskip("accelerate")
@@ -283,7 +369,7 @@ def test_trainer_gradient_accumulation(tmp_path):
         return rows
 
     def train(patched):
-        model = make_model("llama", seed=5)
+        model = make_model(model_type, seed=5)
         if patched:
             vh.patch(model, impl="torch")
         args = transformers.TrainingArguments(

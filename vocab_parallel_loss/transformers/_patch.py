@@ -5,7 +5,7 @@ swapped, for that call only, for a stub that records its input (the final hidden
 any ``logits_to_keep`` slicing) and returns an empty tensor. Everything model-specific (argument
 names, caches, masks, deprecations, output classes) stays the original code of the installed
 transformers version; only the loss is ours: ``linear_cross_entropy`` on those hidden states and
-``lm_head.weight``, with the shift, ignore index, ``num_items_in_batch`` and (Gemma 2/3) final
+``lm_head.weight``, with the shift, ignore index, ``num_items_in_batch`` and (Gemma 2-4, 3n) final
 logit softcapping that transformers uses, the logit scale of Granite and Cohere (applied to the
 hidden states), and a mixture-of-experts model's router loss where the original adds it. The
 output is the original output class with ``loss`` set and ``logits=None``.
@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from torch import nn
 
 from ._loss import REDUCTIONS, causal_lm_loss
@@ -49,6 +50,32 @@ _FAMILIES = {
     "mixtral": ("mixtral", ("MixtralForCausalLM",)),
     "qwen2_moe": ("qwen2_moe", ("Qwen2MoeForCausalLM",)),
     "qwen3_moe": ("qwen3_moe", ("Qwen3MoeForCausalLM",)),
+    # families added with transformers 5.x (several exist in 4.51 too): the same mechanism
+    "llama4": ("llama4", ("Llama4ForCausalLM",)),  # the text causal LM only
+    "llama4_text": ("llama4", ("Llama4ForCausalLM",)),
+    "deepseek_v3": ("deepseek_v3", ("DeepseekV3ForCausalLM",)),
+    "gemma3n": ("gemma3n", ("Gemma3nForCausalLM",)),  # the text causal LM only; softcapped
+    "gemma3n_text": ("gemma3n", ("Gemma3nForCausalLM",)),
+    "qwen3_next": ("qwen3_next", ("Qwen3NextForCausalLM",)),
+    "qwen3_5": ("qwen3_5", ("Qwen3_5ForCausalLM",)),  # the text causal LM only
+    "qwen3_5_text": ("qwen3_5", ("Qwen3_5ForCausalLM",)),
+    "qwen3_5_moe": ("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",)),
+    "qwen3_5_moe_text": ("qwen3_5_moe", ("Qwen3_5MoeForCausalLM",)),
+    "gpt_oss": ("gpt_oss", ("GptOssForCausalLM",)),
+    "glm4_moe": ("glm4_moe", ("Glm4MoeForCausalLM",)),
+    "olmo3": ("olmo3", ("Olmo3ForCausalLM",)),
+    "gemma4": ("gemma4", ("Gemma4ForCausalLM",)),  # the text causal LM only; softcapped
+    "gemma4_text": ("gemma4", ("Gemma4ForCausalLM",)),
+    "deepseek_v2": ("deepseek_v2", ("DeepseekV2ForCausalLM",)),
+    "olmoe": ("olmoe", ("OlmoeForCausalLM",)),
+    "phimoe": ("phimoe", ("PhimoeForCausalLM",)),
+    "granitemoe": ("granitemoe", ("GraniteMoeForCausalLM",)),  # logits scaled: _LOGIT_SCALE
+    "cohere2": ("cohere2", ("Cohere2ForCausalLM",)),  # logits scaled: _LOGIT_SCALE
+    "smollm3": ("smollm3", ("SmolLM3ForCausalLM",)),
+    "ministral": ("ministral", ("MinistralForCausalLM",)),
+    "exaone4": ("exaone4", ("Exaone4ForCausalLM",)),
+    "ernie4_5_moe": ("ernie4_5_moe", ("Ernie4_5_MoeForCausalLM",)),
+    "seed_oss": ("seed_oss", ("SeedOssForCausalLM",)),
 }
 SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 
@@ -56,7 +83,9 @@ SUPPORTED_MODEL_TYPES = tuple(sorted(_FAMILIES))
 # loss then comes from the hidden states (and bias) times it, the same logits
 _LOGIT_SCALE = {
     "granite": lambda model: 1.0 / model.config.logits_scaling,
+    "granitemoe": lambda model: 1.0 / model.config.logits_scaling,
     "cohere": lambda model: model.logit_scale,
+    "cohere2": lambda model: model.logit_scale,
 }
 
 _MISSING = object()
@@ -90,14 +119,15 @@ def _classes_for(model_type: str) -> list:
     return [getattr(module, name) for name in class_names if hasattr(module, name)]
 
 
-def _supported_classes() -> tuple:
-    found = []
-    for model_type in _FAMILIES:
-        try:
-            found.extend(_classes_for(model_type))
-        except ValueError:
-            continue
-    return tuple(found)
+def _is_supported(cls) -> bool:
+    """Whether ``cls`` is (or subclasses) a supported causal-LM class, found by module and name so
+    that no other family's modeling module is imported."""
+    for klass in cls.__mro__:
+        for module_name, class_names in _FAMILIES.values():
+            if (klass.__name__ in class_names
+                    and klass.__module__ == f"transformers.models.{module_name}.modeling_{module_name}"):
+                return True
+    return False
 
 
 def _unwrap(fn):
@@ -241,11 +271,21 @@ def _plus_router_loss(model, out, loss, reduction: str):
 
 
 def _with_loss(out, loss, return_dict: bool):
-    if isinstance(out, tuple):  # a forward that ignored return_dict=True: (logits, *rest)
-        return (loss,) + tuple(out[1:])
+    """The original's output with ``loss`` set and ``logits=None``. As a tuple it has the
+    original's positions: transformers leaves out the fields that are None, but keeps a slot for
+    the logits it computed, so the logits' slot stays there, holding None."""
+    if isinstance(out, tuple):  # a forward that ignored return_dict=True: the stub's output
+        return (loss,) + tuple(None if _is_stub_output(t) else t for t in out)
     fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
-    new = type(out)(loss=loss, **fields)
-    return new if return_dict else new.to_tuple()
+    if return_dict:
+        return type(out)(loss=loss, **fields)
+    full = type(out)(loss=loss, logits=out.get("logits"), **fields)
+    return tuple(None if k == "logits" else full[k] for k in full.keys())
+
+
+def _is_stub_output(value) -> bool:
+    """What the LM head stub returns (an empty last dimension), or a view of it."""
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape[-1] == 0
 
 
 def _check_options(reduction, impl, train_only, label_smoothing, z_loss) -> PatchOptions:
@@ -262,7 +302,7 @@ def _check_options(reduction, impl, train_only, label_smoothing, z_loss) -> Patc
 
 def _base_model(model):
     """The transformers model inside a PEFT wrapper (patched in place), else the model."""
-    if isinstance(model, _supported_classes()):
+    if _is_supported(type(model)):
         return model
     get_base = getattr(model, "get_base_model", None)  # peft.PeftModel
     if callable(get_base):
@@ -314,7 +354,7 @@ def patch(
     target = _base_model(model)
     if not isinstance(target, nn.Module):
         raise TypeError(f"patch expects a model or a model type string, got {type(model).__name__}")
-    if not isinstance(target, _supported_classes()):
+    if not _is_supported(type(target)):
         model_type = getattr(getattr(target, "config", None), "model_type", None)
         raise _unsupported(f"{type(target).__name__} (model type {model_type!r})")
     class_forward = _unwrap(type(target).forward)
