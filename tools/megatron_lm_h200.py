@@ -47,6 +47,9 @@ MODEL = [
     "cosine", "--weight-decay", "0.1", "--clip-grad", "1.0", "--seed", "1234", "--mock-data", "--tokenizer-type",
     "NullTokenizer", "--vocab-size", "128256", "--transformer-impl", "local", "--log-interval", "1",
     "--eval-iters", "0", "--eval-interval", "100000",
+    # without TransformerEngine or apex: their fused kernels off
+    "--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
 ]
 OURS = ["--vocab-parallel-loss"]
 FUSED_LINEAR = OURS + ["--vocab-parallel-loss-fused-linear"]
