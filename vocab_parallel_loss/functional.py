@@ -33,7 +33,8 @@ def cross_entropy(
     ``z_loss * lse**2`` per token. A target outside the vocabulary that is not ``ignore_index``
     gives a NaN loss for that token (``check_targets=True`` or the environment variable
     ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen, raises
-    instead, at the cost of a host sync).
+    instead, at the cost of a host sync). Every rank must hold the same ``V_local``: see
+    ``communication.check_shapes`` for how unequal shards are reported.
     """
     return logits_autograd.loss(logits, target, tp_group, label_smoothing, ignore_index,
                                 reduction, z_loss, inplace_backward, check_targets)
@@ -60,11 +61,14 @@ def linear_cross_entropy(
 
     Parameters
     ----------
-    e : ``(..., H)`` hidden states (float). With ``sequence_parallel=True`` this rank's shard of
-        the first dim; it is all-gathered over ``tp_group`` (Megatron's output-layer layout).
+    e : ``(..., H)`` hidden states (float). With ``sequence_parallel=True`` this rank's
+        ``targets.shape[0] // world`` rows of dim 0, the sequence dim; it is all-gathered over
+        ``tp_group`` (Megatron's output-layer layout ``[s, b, h]``). Ranks holding other numbers
+        of rows raise ``ValueError`` (``communication.check_shapes``).
     c : ``(V_local, H)`` this rank's classifier rows; rank ``r`` holds global classes
         ``[r * V_local, (r + 1) * V_local)``. Same dtype and device as ``e``.
-    targets : integer tensor with ``e``'s (gathered) leading shape, global class ids.
+    targets : integer tensor with ``e``'s (gathered) leading shape, global class ids; the same
+        on every rank.
     bias : optional ``(V_local,)``.
     ignore_index : tokens with this target get loss 0 and gradient 0.
     softcap : logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
@@ -89,7 +93,6 @@ def linear_cross_entropy(
     """
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)
-    communication.check_equal_shards(c.shape[0], tp_group, c.device)
     if settings.flag(settings.CHECK_TARGETS, False):
         checks.check_target_range(targets, c.shape[0] * communication.world_size(tp_group),
                                   ignore_index)
@@ -134,8 +137,15 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
     if isinstance(shift, bool) or int(shift) != shift or shift < 0:
         raise ValueError(f"shift must be a non-negative int, got {shift!r}")
     lead = list(e.shape[:-1])
-    if sequence_parallel:
-        lead[0] *= communication.world_size(group)
+    world = communication.world_size(group)
+    if sequence_parallel and world > 1:
+        # only what the targets decide (the same on every rank) is checked here: each rank's
+        # rows of e are compared with targets.shape[0] // world across the group, so that every
+        # rank raises, not only some while the others wait in the gather (check_shapes)
+        if targets.shape[0:1] and targets.shape[0] % world:
+            raise ValueError(f"sequence_parallel=True: dim 0 of targets {tuple(targets.shape)} "
+                             f"is not divisible by the tensor-parallel group size {world}")
+        lead[0] = targets.shape[0] if targets.shape[0:1] else lead[0] * world
     checks.check_leading_shape(
         "leading dims of e" + (" (gathered over the TP group)" if sequence_parallel else ""),
         torch.Size(lead), targets)

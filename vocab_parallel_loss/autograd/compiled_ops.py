@@ -22,6 +22,8 @@ _NS = "vocab_parallel_loss"
 @torch.library.custom_op(f"{_NS}::ce_forward", mutates_args=())
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_index: int,
                smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # the body runs at run time, on real tensors: the check that reads the device (the shard
+    # widths) happens here, as in eager
     g = communication.group_from_key(group)
     opts = loss_options(g, logits.shape[-1], ignore_index, smoothing, z_loss)
     return forward_impl(row_view(logits), target.reshape(-1), g, opts)
@@ -75,3 +77,22 @@ def cross_entropy_ops(logits, target, group, ignore_index, smoothing, z_loss, re
     if reduction == "sum":
         return total
     return total / (target != ignore_index).sum().clamp(min=1)
+
+
+# The fused linear loss is traced by torch.compile (plain ops around its kernels), so its check
+# that reads the device is an op of the graph, run at run time. It returns a tensor the loss uses:
+# an op whose result nothing uses is dropped from the graph.
+
+
+@torch.library.custom_op(f"{_NS}::shapes_agree", mutates_args=())
+def shapes_agree(gathered: torch.Tensor, k: int, n: int, local: list[int],
+                 group: str) -> torch.Tensor:
+    """``communication.check_shapes``, then the device bool ``communication.shapes_agree``."""
+    local = tuple(local)
+    communication.check_shapes(gathered, k, n, local, communication.group_from_key(group))
+    return communication.shapes_agree(communication.gathered_shapes(gathered, k, n), local)
+
+
+@shapes_agree.register_fake
+def _(gathered, k, n, local, group):
+    return gathered.new_empty((), dtype=torch.bool)
