@@ -8,9 +8,11 @@ from typing import Optional
 import torch
 
 from . import backends, checks, communication, settings
+from .autograd import compiled_ops
 from .autograd import linear as linear_autograd
 from .autograd import logits as logits_autograd
 from .backends import IMPLS
+from .runtime import compiling
 
 
 def cross_entropy(
@@ -32,9 +34,9 @@ def cross_entropy(
     (over non-ignored tokens; 0 when there are none) or ``"sum"``. ``z_loss`` adds
     ``z_loss * lse**2`` per token. A target outside the vocabulary that is not ``ignore_index``
     gives a NaN loss for that token (``check_targets=True`` or the environment variable
-    ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen, raises
-    instead, at the cost of a host sync). Every rank must hold the same ``V_local``: see
-    ``communication.check_shapes`` for how unequal shards are reported.
+    ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen or traced
+    by ``torch.compile``, raises instead, at the cost of a host sync). Every rank must hold the
+    same ``V_local``: see ``communication.check_shapes`` for how unequal shards are reported.
     """
     return logits_autograd.loss(logits, target, tp_group, label_smoothing, ignore_index,
                                 reduction, z_loss, inplace_backward, check_targets)
@@ -94,8 +96,11 @@ def linear_cross_entropy(
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)
     if settings.flag(settings.CHECK_TARGETS, False):
-        checks.check_target_range(targets, c.shape[0] * communication.world_size(tp_group),
-                                  ignore_index)
+        vocab = c.shape[0] * communication.world_size(tp_group)
+        if compiling():  # the check reads the device: an op of the graph, run at run time
+            targets = compiled_ops.checked_targets(targets, vocab, int(ignore_index))
+        else:
+            checks.check_target_range(targets, vocab, ignore_index)
     loss, lse = linear_autograd.linear_loss(
         e, c, bias, targets, backends.linear_backend(impl, e), ignore_index=int(ignore_index),
         softcap=float(softcap) if softcap else None, reduction=reduction, shift=int(shift),

@@ -188,9 +188,11 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
     if compiling():
         # registered torch.library ops: traced by torch.compile, no graph break
         _check_args(logits, target, label_smoothing, reduction, z_loss)
+        if check_targets is None:  # the switch is read when the call is traced
+            check_targets = settings.flag(settings.CHECK_TARGETS, False)
         return compiled_ops.cross_entropy_ops(logits, target, tp_group, int(ignore_index),
                                          float(label_smoothing), float(z_loss), reduction,
-                                         bool(inplace_backward))
+                                         bool(inplace_backward), bool(check_targets))
     try:
         key = (logits.shape, logits.stride(), logits.dtype, logits.device, target.shape,
                target.dtype, target.device, tp_group, label_smoothing, ignore_index, reduction,
