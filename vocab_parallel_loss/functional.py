@@ -75,8 +75,10 @@ def linear_cross_entropy(
     ignore_index : tokens with this target get loss 0 and gradient 0.
     softcap : logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
     reduction : ``"mean"`` (over non-ignored tokens; 0 when none), ``"sum"`` or ``"none"``.
-    shift : drop the last ``shift`` positions of ``e`` along dim -2 and the first ``shift``
-        targets (``shift=1``: causal LM with unshifted labels).
+    shift : drop the last ``shift`` positions of ``e`` and the first ``shift`` targets along
+        the sequence dim (``shift=1``: causal LM with unshifted labels): dim -2 of ``e`` (dim -1
+        of ``targets``, as in ``[b, s, h]``), or with ``sequence_parallel=True`` dim 0 (the
+        gathered dim, as in Megatron's ``[s, b, h]``).
     return_lse : also return the per-token fp32 log-sum-exp (differentiable).
     tp_group : tensor-parallel process group (None: no parallelism).
     label_smoothing : PyTorch's convention, over the global vocabulary.

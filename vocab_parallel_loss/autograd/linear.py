@@ -46,6 +46,7 @@ class _Opts:
     z_loss: float
     backend: object
     grad_in_forward: bool = False
+    seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
@@ -56,8 +57,10 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
         e = communication.gather_along_first_dim(e, o.group, rows)
     full_shape = e.shape
     if o.shift:
-        e = e[..., :-o.shift, :] if e.shape[-2] > o.shift else e[..., :0, :]
-        targets = targets[..., o.shift:]
+        dim = o.seq_dim % e.dim()
+        kept = max(e.shape[dim] - o.shift, 0)
+        e = e.narrow(dim, 0, kept)
+        targets = targets.narrow(dim, targets.shape[dim] - kept, kept)
     return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
 
 
@@ -200,11 +203,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de32 = communication.all_reduce_sum(de32, o.group)
             if o.shift and not o.sequence_parallel:
                 # round straight into the input-dtype gradient: no fp32 copy of the full shape
-                de = _unshifted(de32, full_shape, shifted_shape, e.dtype)
+                de = _unshifted(de32, full_shape, shifted_shape, e.dtype, o.seq_dim)
             else:
                 # the reduce-scatter splits the full sequence: pad it in fp32 first
-                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32) if o.shift
-                        else de32.view(full_shape))
+                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32, o.seq_dim)
+                        if o.shift else de32.view(full_shape))
                 if o.sequence_parallel:
                     de32 = communication.reduce_scatter_along_first_dim(de32, o.group)
                 de = de32.to(e.dtype)
@@ -213,11 +216,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return de, dc, db, None, None
 
 
-def _unshifted(de32, full_shape, shifted_shape, dtype):
+def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
     """The gradient of the shifted positions placed into the full sequence (0 for the last
-    position, which ``shift`` drops), in ``dtype``."""
+    positions, which ``shift`` drops), in ``dtype``."""
     full = torch.zeros(tuple(full_shape), dtype=dtype, device=de32.device)
-    full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
+    dim = seq_dim % len(full_shape)
+    full.narrow(dim, 0, shifted_shape[dim]).copy_(de32.view(shifted_shape))
     return full
 
 
@@ -310,5 +314,6 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
               smoothing=smoothing, z_loss=z_loss, backend=backend,
               grad_in_forward=_use_grad_in_forward(backend, e, c, bias, reduction, shift,
-                                                   sequence_parallel, group))
+                                                   sequence_parallel, group),
+              seq_dim=0 if sequence_parallel else -2)
     return _LinearCrossEntropy.apply(e, c, bias, targets, o)
