@@ -2,7 +2,8 @@
 
 The losses only need a few collectives:
 
-* ``gather_stats``: one all-gather of the packed per-row statistics (forward of every loss);
+* ``gather_stats``: one all-gather of the packed per-row statistics and each rank's shard shapes
+  (forward of every loss; ``check_shapes``);
 * ``all_reduce_sum``: the hidden-state gradient of the fused linear loss;
 * ``gather_along_first_dim`` / ``reduce_scatter_along_first_dim``: sequence parallelism.
 
@@ -16,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime import capturing, compiling
+from .runtime import capturing
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -38,7 +39,6 @@ def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
-_checked_shards: set = set()
 _groups_by_key: dict = {}
 
 
@@ -65,48 +65,90 @@ def group_from_key(key: str) -> ProcessGroup:
     return group
 
 
-def check_equal_shards(local_size: int, group: ProcessGroup, device: torch.device) -> bool:
-    """Raise ``ValueError`` unless every rank of ``group`` holds ``local_size`` vocabulary columns.
+# Shard shapes travel with the statistics. A separate check collective, run only while a shape is
+# new to a rank, cannot work: a rank that has seen its shape before would skip it while another
+# ran it, and the two collectives would pair up (an abort inside the backend). Instead each rank
+# appends its shapes to the statistics of the all-gather that every forward runs anyway, so every
+# rank receives every rank's shapes from the same collective:
+#
+# * on the device, the merge turns the loss and lse into NaN when the shapes disagree (every rank
+#   sees the same gathered shapes, so every rank does; no host sync);
+# * on the host, a rank reads the gathered shapes (one sync) while its own shapes are new to it
+#   and raises ``ValueError`` on a mismatch. On a first call every rank's shapes are new, so every
+#   rank raises; a rank whose shapes it has already verified reads nothing and gets the NaN.
 
-    Unequal shards would silently give a wrong global vocabulary offset. The check costs one tiny
-    all-gather and a host read, so it runs once per (group, size) and never while a CUDA graph is
-    being captured (a capture must be preceded by an eager warm-up step, which runs it). Returns
-    whether the shards are known to be equal (False: the check was skipped this time).
-    """
+#: Floats each rank appends to its statistics: its vocabulary columns, then (fused linear loss
+#: with ``sequence_parallel``) its sequence rows and the rows the targets imply (else 0, 0). Four
+#: slots keep each rank's block 16-byte aligned. Exact as fp32 below 2**24 columns or rows.
+SHAPE_SLOTS = 4
+_verified_shapes: set = set()
+
+
+def stats_size(k: int, n: int) -> int:
+    """Floats of one rank's send buffer: ``(k, n)`` statistics, then ``SHAPE_SLOTS`` shapes."""
+    return k * n + SHAPE_SLOTS
+
+
+def gather_stats(send: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather every rank's flat ``send`` buffer (``stats_size`` floats) into ``(world, L)``
+    (rank order). One collective per forward: its latency, not its size, is what costs."""
     n = world_size(group)
     if n == 1:
-        return True
-    key = (id(group), local_size)
-    if key in _checked_shards:
-        return True
-    if capturing() or compiling():
-        return False
-    mine = torch.tensor([local_size], dtype=torch.int64, device=device)
-    sizes = torch.empty(n, dtype=torch.int64, device=device)
-    _all_gather(sizes, mine, group=group)
-    sizes = sizes.tolist()
-    if any(s != local_size for s in sizes):
+        return send.unsqueeze(0)
+    # concatenated along dim 0 (the layout every backend accepts, gloo included), then split
+    out = torch.empty(n * send.numel(), dtype=send.dtype, device=send.device)
+    _all_gather(out, send.contiguous(), group=group)
+    return out.view(n, send.numel())
+
+
+def gathered_stats(gathered: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """The ``(world, k, n)`` statistics of a ``gather_stats`` result."""
+    return gathered[:, :k * n].view(gathered.shape[0], k, n)
+
+
+def gathered_shapes(gathered: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """The ``(world, SHAPE_SLOTS)`` shapes of a ``gather_stats`` result."""
+    return gathered[:, k * n:]
+
+
+def shapes_agree(shapes: torch.Tensor, local: tuple) -> torch.Tensor:
+    """Device bool scalar: every rank's vocabulary columns equal ``local[0]`` and every rank's
+    sequence rows equal the rows the targets imply (no host sync)."""
+    ok = shapes[:, 0] == local[0]
+    if len(local) > 1:
+        ok = ok & (shapes[:, 1] == local[2])
+    return ok.all()
+
+
+def check_shapes(gathered: torch.Tensor, k: int, n: int, local: tuple,
+                 group: ProcessGroup) -> None:
+    """Raise ``ValueError`` when the shapes in ``gathered`` (``gather_stats`` of ``(k, n)``
+    statistics) disagree.
+
+    ``local`` is this rank's ``(vocabulary columns,)`` or ``(vocabulary columns, sequence rows,
+    rows the targets imply)``. Reads ``shapes`` on the host (a sync) only while ``local`` is new
+    to this rank for ``group``, and never while a CUDA graph is being captured (its eager warm-up
+    step reads them); see the comment above ``SHAPE_SLOTS``.
+    """
+    key = (group_key(group), local)
+    if key in _verified_shapes or capturing():
+        return
+    shapes = gathered_shapes(gathered, k, n)[:, :len(local)]
+    rows = [[int(v) for v in r] for r in shapes.tolist()]
+    vocab = [r[0] for r in rows]
+    if any(v != local[0] for v in vocab):
         raise ValueError(
-            f"vocab shards differ across the tensor-parallel group: sizes per rank {sizes}; "
+            f"vocab shards differ across the tensor-parallel group: sizes per rank {vocab}; "
             "every rank must hold the same number of vocabulary columns (pad the vocabulary)"
         )
-    _checked_shards.add(key)
-    return True
-
-
-def gather_stats(stats: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """All-gather ``stats`` of shape ``(K, N)`` into ``(world, K, N)`` (rank order).
-
-    One collective per forward: its latency, not its size (``K * N`` floats), is what costs.
-    """
-    n = world_size(group)
-    if n == 1:
-        return stats.unsqueeze(0)
-    k, rows = stats.shape
-    # concatenated along dim 0 (the layout every backend accepts, gloo included), then split
-    out = torch.empty((n * k, rows), dtype=stats.dtype, device=stats.device)
-    _all_gather(out, stats.contiguous(), group=group)
-    return out.view(n, k, rows)
+    if len(local) > 1 and any(r[1] != local[2] for r in rows):
+        raise ValueError(
+            f"sequence_parallel=True: the sequence shards of e differ from the targets: rows of e "
+            f"per rank {[r[1] for r in rows]}, while the targets' dim 0 gives "
+            f"{local[2]} rows to each of the {len(rows)} ranks; every rank must hold an equal "
+            "slice of dim 0 (pad the sequence)"
+        )
+    _verified_shapes.add(key)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -116,11 +158,20 @@ def all_reduce_sum(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return tensor
 
 
-def gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0 (sequence-parallel gather)."""
+def gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup,
+                           rows: Optional[int] = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (sequence-parallel gather).
+
+    ``rows``: the dim-0 size every rank is meant to send (agreed, e.g. from the targets). A rank
+    whose ``tensor`` has another size sends ``rows`` rows of NaN instead, so the collective still
+    pairs up on every rank; the shapes that travel with the statistics then report it
+    (``check_shapes``).
+    """
     n = world_size(group)
     if n == 1:
         return tensor
+    if rows is not None and tensor.shape[0] != rows:
+        tensor = tensor.new_full((rows,) + tuple(tensor.shape[1:]), float("nan"))
     tensor = tensor.contiguous()
     out = torch.empty((n * tensor.shape[0],) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)

@@ -10,11 +10,13 @@ from typing import Optional
 import torch
 
 from . import backends, checks, communication, settings
+from .autograd import compiled_ops
 from .autograd import linear as linear_autograd
 from .autograd import logits as logits_autograd
 from .autograd import logprobs as logprobs_autograd
 from .reference import logprobs as torch_logprobs
 from .backends import IMPLS
+from .runtime import compiling
 
 
 def cross_entropy(
@@ -36,8 +38,9 @@ def cross_entropy(
     (over non-ignored tokens; 0 when there are none) or ``"sum"``. ``z_loss`` adds
     ``z_loss * lse**2`` per token. A target outside the vocabulary that is not ``ignore_index``
     gives a NaN loss for that token (``check_targets=True`` or the environment variable
-    ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen, raises
-    instead, at the cost of a host sync).
+    ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen or traced
+    by ``torch.compile``, raises instead, at the cost of a host sync). Every rank must hold the
+    same ``V_local``: see ``communication.check_shapes`` for how unequal shards are reported.
 
     ``inplace_backward=True``: the backward writes the gradient over ``logits`` and bumps their
     autograd version. Until then they keep their values; an autograd use of them whose backward
@@ -72,17 +75,22 @@ def linear_cross_entropy(
 
     Parameters
     ----------
-    e : ``(..., H)`` hidden states (float). With ``sequence_parallel=True`` this rank's shard of
-        the first dim; it is all-gathered over ``tp_group`` (Megatron's output-layer layout).
+    e : ``(..., H)`` hidden states (float). With ``sequence_parallel=True`` this rank's
+        ``targets.shape[0] // world`` rows of dim 0, the sequence dim; it is all-gathered over
+        ``tp_group`` (Megatron's output-layer layout ``[s, b, h]``). Ranks holding other numbers
+        of rows raise ``ValueError`` (``communication.check_shapes``).
     c : ``(V_local, H)`` this rank's classifier rows; rank ``r`` holds global classes
         ``[r * V_local, (r + 1) * V_local)``. Same dtype and device as ``e``.
-    targets : integer tensor with ``e``'s (gathered) leading shape, global class ids.
+    targets : integer tensor with ``e``'s (gathered) leading shape, global class ids; the same
+        on every rank.
     bias : optional ``(V_local,)``.
     ignore_index : tokens with this target get loss 0 and gradient 0.
     softcap : logits become ``softcap * tanh(logits / softcap)`` (Gemma 2).
     reduction : ``"mean"`` (over non-ignored tokens; 0 when none), ``"sum"`` or ``"none"``.
-    shift : drop the last ``shift`` positions of ``e`` along dim -2 and the first ``shift``
-        targets (``shift=1``: causal LM with unshifted labels).
+    shift : drop the last ``shift`` positions of ``e`` and the first ``shift`` targets along
+        the sequence dim (``shift=1``: causal LM with unshifted labels): dim -2 of ``e`` (dim -1
+        of ``targets``, as in ``[b, s, h]``), or with ``sequence_parallel=True`` dim 0 (the
+        gathered dim, as in Megatron's ``[s, b, h]``).
     return_lse : also return the per-token fp32 log-sum-exp (differentiable).
     tp_group : tensor-parallel process group (None: no parallelism).
     label_smoothing : PyTorch's convention, over the global vocabulary.
@@ -102,10 +110,12 @@ def linear_cross_entropy(
     """
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)
-    communication.check_equal_shards(c.shape[0], tp_group, c.device)
     if settings.flag(settings.CHECK_TARGETS, False):
-        checks.check_target_range(targets, c.shape[0] * communication.world_size(tp_group),
-                                  ignore_index)
+        vocab = c.shape[0] * communication.world_size(tp_group)
+        if compiling():  # the check reads the device: an op of the graph, run at run time
+            targets = compiled_ops.checked_targets(targets, vocab, int(ignore_index))
+        else:
+            checks.check_target_range(targets, vocab, ignore_index)
     loss, lse = linear_autograd.linear_loss(
         e, c, bias, targets, backends.linear_backend(impl, e), ignore_index=int(ignore_index),
         softcap=float(softcap) if softcap else None, reduction=reduction, shift=int(shift),
@@ -147,8 +157,15 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
     if isinstance(shift, bool) or int(shift) != shift or shift < 0:
         raise ValueError(f"shift must be a non-negative int, got {shift!r}")
     lead = list(e.shape[:-1])
-    if sequence_parallel:
-        lead[0] *= communication.world_size(group)
+    world = communication.world_size(group)
+    if sequence_parallel and world > 1:
+        # only what the targets decide (the same on every rank) is checked here: each rank's
+        # rows of e are compared with targets.shape[0] // world across the group, so that every
+        # rank raises, not only some while the others wait in the gather (check_shapes)
+        if targets.shape[0:1] and targets.shape[0] % world:
+            raise ValueError(f"sequence_parallel=True: dim 0 of targets {tuple(targets.shape)} "
+                             f"is not divisible by the tensor-parallel group size {world}")
+        lead[0] = targets.shape[0] if targets.shape[0:1] else lead[0] * world
     checks.check_leading_shape(
         "leading dims of e" + (" (gathered over the TP group)" if sequence_parallel else ""),
         torch.Size(lead), targets)
@@ -273,8 +290,7 @@ def _logprob_options(group, v_local, vocab_range, ignore_index, scale, softcap, 
     if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     world = communication.world_size(group)
-    if vocab_range is None:
-        communication.check_equal_shards(v_local, group, device)
+    if vocab_range is None:  # equal shards, checked with the statistics' all-gather
         start, valid, vocab = communication.rank(group) * v_local, v_local, world * v_local
     else:
         start, stop = (int(x) for x in vocab_range)
@@ -284,7 +300,7 @@ def _logprob_options(group, v_local, vocab_range, ignore_index, scale, softcap, 
         start, valid = start, stop - start
         vocab = communication.vocab_size_of_ranges(start, stop, group, device)
     return logprobs_autograd.Options(group, start, valid, int(ignore_index), vocab, scale,
-                                     softcap, rows)
+                                     softcap, rows, 0 if vocab_range is not None else v_local)
 
 
 def _inverse_temperature(temperature, target, like):

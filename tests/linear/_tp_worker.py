@@ -62,14 +62,16 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
     assert (K.default_config(DEVICE).grad_in_forward == "always") == gif
     v = v_local * world
     gen = torch.Generator().manual_seed(1234)
-    # Megatron's output layer input: [s, b, h]; with shift the sequence must be dim -2
-    lead = (s, b) if sp and not shift else (b, s)
+    # sequence parallel: Megatron's output-layer input [s, b, h], the sequence (and the shift)
+    # along dim 0; else [b, s, h], the shift along dim -2
+    lead = (s, b) if sp else (b, s)
     e_full = torch.randn(*lead, h, generator=gen).to(dtype)
     c_full = torch.randn(v, h, generator=gen).to(dtype)
     bias_full = torch.randn(v, generator=gen).to(dtype) if bias else None
     t = torch.randint(0, v, lead, generator=gen)
     t[torch.rand(lead, generator=gen) < 0.2] = -100
-    up = torch.randn(lead, generator=gen)[..., shift:]
+    up = torch.randn(lead, generator=gen)
+    up = up[shift:] if sp else up[..., shift:]
 
     rows = slice(rank * v_local, (rank + 1) * v_local)
     seq = slice(rank * lead[0] // world, (rank + 1) * lead[0] // world)
@@ -84,7 +86,13 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
     leaves = [e, c] + ([bb] if bias else [])
     grads = torch.autograd.grad(loss, leaves, g.to(DEVICE, loss.dtype))
 
-    want, wgrads = reference_grads(e_full, c_full, t, bias_full, g, **kw)
+    if sp:  # the oracle shifts along dim -2: give it [b, s, h], then transpose back
+        want, wgrads = reference_grads(e_full.transpose(0, 1), c_full, t.t(), bias_full,
+                                       g.t() if g.dim() else g, **kw)
+        want = want.t() if want.dim() else want
+        wgrads = (wgrads[0].transpose(0, 1),) + tuple(wgrads[1:])
+    else:
+        want, wgrads = reference_grads(e_full, c_full, t, bias_full, g, **kw)
     same_on_every_rank(loss.detach())
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(loss.detach().double().cpu(), want, atol=tol * 10, rtol=tol)
@@ -103,6 +111,7 @@ CASES = [
     dict(reduction="mean", sp=True, smoothing=0.1, bias=True),
     dict(reduction="none", sp=True, softcap=3.0),
     dict(reduction="mean", sp=True, shift=1),
+    dict(reduction="none", sp=True, shift=2, bias=True),  # [s - 2, b] per-token losses
     dict(reduction="mean", dtype=torch.bfloat16, smoothing=0.1, sp=True),
     # gradients formed in forward: one stats all-gather per row chunk
     dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),

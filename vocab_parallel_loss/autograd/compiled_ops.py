@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import communication
+from .. import checks, communication
 from ..layout import row_view
 from .steps import backward_impl, forward_impl, loss_options
 
@@ -21,14 +21,19 @@ _NS = "vocab_parallel_loss"
 
 @torch.library.custom_op(f"{_NS}::ce_forward", mutates_args=())
 def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_index: int,
-               smoothing: float, z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+               smoothing: float, z_loss: float,
+               check_targets: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    # the body runs at run time, on real tensors: the checks that read the device (the shard
+    # widths, opt-in target range) happen here, as in eager
     g = communication.group_from_key(group)
     opts = loss_options(g, logits.shape[-1], ignore_index, smoothing, z_loss)
+    if check_targets:
+        checks.check_target_range(target, opts.vocab_size, ignore_index)
     return forward_impl(row_view(logits), target.reshape(-1), g, opts)
 
 
 @ce_forward.register_fake
-def _(logits, target, group, ignore_index, smoothing, z_loss):
+def _(logits, target, group, ignore_index, smoothing, z_loss, check_targets=False):
     n = target.numel()
     return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32))
 
@@ -48,30 +53,62 @@ def _(logits, target, lse, dloss, group, ignore_index, smoothing, z_loss):
 
 
 def _setup(ctx, inputs, output):
-    logits, target, group, ignore_index, smoothing, z_loss = inputs
+    logits, target, group, ignore_index, smoothing, z_loss = inputs[:6]
     ctx.save_for_backward(logits, target, output[1])
     ctx.args = (group, ignore_index, smoothing, z_loss)
 
 
 def _backward(ctx, dloss, dlse):
     logits, target, lse = ctx.saved_tensors
-    return ce_backward(logits, target, lse, dloss, *ctx.args), None, None, None, None, None
+    return (ce_backward(logits, target, lse, dloss, *ctx.args), None, None, None, None, None,
+            None)
 
 
 torch.library.register_autograd(f"{_NS}::ce_forward", _backward, setup_context=_setup)
 
 
 def cross_entropy_ops(logits, target, group, ignore_index, smoothing, z_loss, reduction,
-                  inplace_backward) -> torch.Tensor:
+                  inplace_backward, check_targets=False) -> torch.Tensor:
     """Same arguments and result as ``_VocabParallelCrossEntropy.apply``."""
     # inplace_backward is not honoured here: a compiled graph is functional, so the backward op
     # returns a new tensor (the compiler may still reuse the dead logits buffer)
     del inplace_backward
     loss, _ = ce_forward(logits, target, communication.group_key(group), ignore_index, smoothing,
-                         z_loss)
+                         z_loss, check_targets)
     if reduction == "none":
         return loss.view(target.shape)
     total = loss.sum()
     if reduction == "sum":
         return total
     return total / (target != ignore_index).sum().clamp(min=1)
+
+
+# The fused linear loss is traced by torch.compile (plain ops around its kernels), so its checks
+# that read the device are ops of the graph, run at run time. Each returns a tensor the loss uses:
+# an op whose result nothing uses is dropped from the graph.
+
+
+@torch.library.custom_op(f"{_NS}::checked_targets", mutates_args=())
+def checked_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
+    """``target`` (a copy), after ``checks.check_target_range`` (a host read)."""
+    checks.check_target_range(target, vocab_size, ignore_index)
+    return target.clone()
+
+
+@checked_targets.register_fake
+def _(target, vocab_size, ignore_index):
+    return torch.empty_like(target)
+
+
+@torch.library.custom_op(f"{_NS}::shapes_agree", mutates_args=())
+def shapes_agree(gathered: torch.Tensor, k: int, n: int, local: list[int],
+                 group: str) -> torch.Tensor:
+    """``communication.check_shapes``, then the device bool ``communication.shapes_agree``."""
+    local = tuple(local)
+    communication.check_shapes(gathered, k, n, local, communication.group_from_key(group))
+    return communication.shapes_agree(communication.gathered_shapes(gathered, k, n), local)
+
+
+@shapes_agree.register_fake
+def _(gathered, k, n, local, group):
+    return gathered.new_empty((), dtype=torch.bool)

@@ -30,6 +30,8 @@ import torch
 from .. import communication
 from ..formulas import merge_stats, token_loss
 from ..reference.linear import TorchBackend
+from ..runtime import compiling
+from . import compiled_ops
 from .first_order import refuse_double_backward
 
 
@@ -45,22 +47,68 @@ class _Opts:
     z_loss: float
     backend: object
     grad_in_forward: bool = False
+    seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
     """Gather (sequence parallel), shift and flatten: ``(N, H)`` rows and ``(N,)`` targets."""
     if o.sequence_parallel:
-        e = communication.gather_along_first_dim(e, o.group)
+        # every rank sends the rows the (same) targets give it: see communication.check_shapes
+        rows = targets.shape[0] // communication.world_size(o.group)
+        e = communication.gather_along_first_dim(e, o.group, rows)
     full_shape = e.shape
     if o.shift:
-        e = e[..., :-o.shift, :] if e.shape[-2] > o.shift else e[..., :0, :]
-        targets = targets[..., o.shift:]
+        dim = o.seq_dim % e.dim()
+        kept = max(e.shape[dim] - o.shift, 0)
+        e = e.narrow(dim, 0, kept)
+        targets = targets.narrow(dim, targets.shape[dim] - kept, kept)
     return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
 
 
-def _merge(stats: torch.Tensor, group):
-    """All-gather ``(4, N)`` local statistics; returns global lse, target logit, sum of logits."""
-    return merge_stats(communication.gather_stats(stats, group))
+def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: _Opts) -> tuple:
+    """This rank's shard shapes, gathered with the statistics (``communication.check_shapes``):
+    ``(vocabulary rows of c, rows of e, rows of e the targets imply)`` under sequence
+    parallelism, else ``(vocabulary rows of c,)``."""
+    if o.sequence_parallel:
+        return (c.shape[0], e.shape[0], targets.shape[0] // communication.world_size(o.group))
+    return (c.shape[0],)
+
+
+def _merge(stats: torch.Tensor, group, shapes: tuple):
+    """All-gather ``(4, N)`` local statistics with this rank's ``shapes``; returns global lse
+    (NaN when the ranks' shapes disagree), target logit, sum of logits, and the gathered buffer
+    (None without TP) for ``_check_shapes``."""
+    world = communication.world_size(group)
+    if world == 1:
+        return (*merge_stats(stats.unsqueeze(0)), None)
+    n = stats.shape[1]
+    send = stats.new_zeros(communication.stats_size(4, n))
+    send[:4 * n].view(4, n).copy_(stats)
+    for i, v in enumerate(shapes[:2]):  # no host-to-device copy: it would sync
+        send[4 * n + i].fill_(v)
+    gathered = communication.gather_stats(send, group)
+    lse, tgt, sumx = merge_stats(communication.gathered_stats(gathered, 4, n))
+    agree = communication.shapes_agree(communication.gathered_shapes(gathered, 4, n), shapes)
+    return _nan_unless(agree, lse), tgt, sumx, gathered
+
+
+def _nan_unless(ok: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.where(ok, x, torch.full_like(x, float("nan")))
+
+
+def _check_shapes(gathered, lse, shapes: tuple, group):
+    """Raise on every rank whose shapes are new to it when the ranks' shapes disagree; called
+    after the forward's last collective, so that no rank raises while others still gather.
+    Returns ``lse`` (under torch.compile the check is an op that the result depends on)."""
+    if gathered is None:
+        return lse
+    n = (gathered.shape[1] - communication.SHAPE_SLOTS) // 4
+    if compiling():
+        agree = compiled_ops.shapes_agree(gathered, 4, n, list(shapes),
+                                          communication.group_key(group))
+        return _nan_unless(agree, lse)
+    communication.check_shapes(gathered, 4, n, shapes, group)
+    return lse
 
 
 def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None):
@@ -80,15 +128,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         v_local = c.shape[0]
         v_global = v_local * world
         v_offset = rank * v_local
+        shapes = _shapes(e, c, targets, o)
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
         grads = (None, None, None)
         if o.grad_in_forward:
-            lse, tgt, sumx, grads = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
-                                                        v_offset)
+            lse, tgt, sumx, grads, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o,
+                                                                  v_global, v_offset, shapes)
         else:
             stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
                                             o.smoothing > 0)
-            lse, tgt, sumx = _merge(stats, o.group)
+            lse, tgt, sumx, gathered = _merge(stats, o.group, shapes)
+        lse = _check_shapes(gathered, lse, shapes, o.group)
         loss, ignored, _ = token_loss(t2, lse, tgt, sumx, v_global, o.ignore_index,
                                       o.smoothing, o.z_loss)
 
@@ -98,6 +148,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
 
         lse_out = lse.view(shifted_shape[:-1])
+        if compiling():  # dynamo rejects a saved tensor that is also (a view of) an output
+            lse_out = lse_out.clone()
         if o.reduction == "none":
             out = loss.view(shifted_shape[:-1])
         elif o.reduction == "sum":
@@ -154,11 +206,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de32 = communication.all_reduce_sum(de32, o.group)
             if o.shift and not o.sequence_parallel:
                 # round straight into the input-dtype gradient: no fp32 copy of the full shape
-                de = _unshifted(de32, full_shape, shifted_shape, e.dtype)
+                de = _unshifted(de32, full_shape, shifted_shape, e.dtype, o.seq_dim)
             else:
                 # the reduce-scatter splits the full sequence: pad it in fp32 first
-                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32) if o.shift
-                        else de32.view(full_shape))
+                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32, o.seq_dim)
+                        if o.shift else de32.view(full_shape))
                 if o.sequence_parallel:
                     de32 = communication.reduce_scatter_along_first_dim(de32, o.group)
                 de = de32.to(e.dtype)
@@ -167,11 +219,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return de, dc, db, None, None
 
 
-def _unshifted(de32, full_shape, shifted_shape, dtype):
+def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
     """The gradient of the shifted positions placed into the full sequence (0 for the last
-    position, which ``shift`` drops), in ``dtype``."""
+    positions, which ``shift`` drops), in ``dtype``."""
     full = torch.zeros(tuple(full_shape), dtype=dtype, device=de32.device)
-    full[..., :shifted_shape[-2], :] = de32.view(shifted_shape)
+    dim = seq_dim % len(full_shape)
+    full.narrow(dim, 0, shifted_shape[dim]).copy_(de32.view(shifted_shape))
     return full
 
 
@@ -190,11 +243,13 @@ def _token_grad(grad_loss, t2, count, o: _Opts):
     return torch.where(valid, g, torch.zeros((), dtype=torch.float32, device=dev))
 
 
-def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int):
+def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int,
+                        shapes: tuple):
     """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
     over materialized fp32 row chunks of the logits (Triton backend only; see
-    ``LCEConfig.grad_in_forward``). Returns lse, target logit, sum of logits and the fp32
-    gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None where not needed)."""
+    ``LCEConfig.grad_in_forward``). Returns lse, target logit, sum of logits, the fp32
+    gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None where not needed) and the
+    first chunk's gathered statistics (for ``_check_shapes``; None without TP or rows)."""
     K = o.backend
     cfg = K.default_config(e2.device)
     need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -215,13 +270,15 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
     rows = K.gif_chunk_rows(n, cfg)
     xbuf = torch.empty((rows, v), dtype=f32, device=dev) if n else None
+    first = None
     for i, r0 in enumerate(range(0, n, rows)):
         r1 = min(n, r0 + rows)
         x = xbuf[:r1 - r0]
         er, tr = e2[r0:r1], t2[r0:r1]
         K.chunk_logits(er, c, x, cfg)
         stats = K.rows_stats(x, bias, tr, v_offset, o.softcap, o.smoothing > 0, cfg)
-        lse_r, tgt_r, sumx_r = _merge(stats, o.group)
+        lse_r, tgt_r, sumx_r, gathered = _merge(stats, o.group, shapes)
+        first = gathered if i == 0 else first
         lse[r0:r1], tgt[r0:r1], sumx[r0:r1] = lse_r, tgt_r, sumx_r
         coef = _coef(lse_r, g[r0:r1], o, v_global)
         dz = K.rows_dz_inplace(x, bias, tr, v_offset, coef, o.softcap, e2.dtype, cfg)
@@ -234,7 +291,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
                 K.gemm_acc(dc, dz.t(), er, cfg)
         if need_db:
             db += dz.sum(dim=0, dtype=f32)
-    return lse, tgt, sumx, (de, dc, db)
+    return lse, tgt, sumx, (de, dc, db), first
 
 
 def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> bool:
@@ -260,5 +317,6 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
               smoothing=smoothing, z_loss=z_loss, backend=backend,
               grad_in_forward=_use_grad_in_forward(backend, e, c, bias, reduction, shift,
-                                                   sequence_parallel, group))
+                                                   sequence_parallel, group),
+              seq_dim=0 if sequence_parallel else -2)
     return _LinearCrossEntropy.apply(e, c, bias, targets, o)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import checks, communication, settings
+from .. import checks, settings
 from ..backends import logits_backend, triton_logits
 from ..layout import RowView, like_rows, may_overlap, row_view
 from ..runtime import compiling
@@ -69,12 +69,11 @@ def _check_args(logits, target, label_smoothing, reduction, z_loss):
 
 
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
-               inplace_backward) -> tuple:
-    """Check the arguments; returns ``(plan, reusable)``."""
+               inplace_backward) -> _Plan:
+    """Check the arguments; returns the plan of their call signature."""
     _check_args(logits, target, label_smoothing, reduction, z_loss)
-    verified = True
-    if tp_group is not None:  # no group: one shard, nothing to check
-        verified = communication.check_equal_shards(logits.shape[-1], tp_group, logits.device)
+    # equal vocabulary shards are checked on every forward, from the statistics' all-gather
+    # (communication.check_shapes)
     opts = loss_options(tp_group, logits.shape[-1], int(ignore_index), float(label_smoothing),
                         float(z_loss))
     view = row_view(logits)
@@ -91,7 +90,7 @@ def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reductio
              and settings.flag(settings.FUSED_REDUCED, True))
     plan = _Plan(tp_group, opts, reduction, bool(inplace_backward), rows, fused, overlaps, {},
                  settings.flag(settings.CHECK_TARGETS, False))
-    return plan, verified
+    return plan
 
 
 def _fused_forward(ctx, view, t, plan):
@@ -206,11 +205,11 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
     if compiling():
         # registered torch.library ops: traced by torch.compile, no graph break
         _check_args(logits, target, label_smoothing, reduction, z_loss)
-        if tp_group is not None:
-            communication.check_equal_shards(logits.shape[-1], tp_group, logits.device)
+        if check_targets is None:  # the switch is read when the call is traced
+            check_targets = settings.flag(settings.CHECK_TARGETS, False)
         return compiled_ops.cross_entropy_ops(logits, target, tp_group, int(ignore_index),
                                          float(label_smoothing), float(z_loss), reduction,
-                                         bool(inplace_backward))
+                                         bool(inplace_backward), bool(check_targets))
     try:
         key = (logits.shape, logits.stride(), logits.dtype, logits.device, target.shape,
                target.dtype, target.device, tp_group, label_smoothing, ignore_index, reduction,
@@ -219,9 +218,9 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
     except TypeError:  # an unhashable option: no plan is kept
         key = plan = None
     if plan is None:
-        plan, reusable = _make_plan(logits, target, tp_group, label_smoothing, ignore_index,
-                                    reduction, z_loss, inplace_backward)
-        if key is not None and reusable and len(_plans) < _MAX_PLANS:
+        plan = _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction,
+                          z_loss, inplace_backward)
+        if key is not None and len(_plans) < _MAX_PLANS:
             _plans[key] = plan
     if plan.check_targets if check_targets is None else check_targets:
         checks.check_target_range(target, plan.opts.vocab_size, plan.opts.ignore_index)

@@ -44,12 +44,32 @@ class Options(NamedTuple):
     scale: float
     softcap: Optional[float]
     rows: object  # the row backend: kernels/logprobs.py or reference/logprobs.py
+    width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
+
+
+def _gather(stats, o: Options):
+    """``(world, 5, N)`` statistics of every rank, and a device bool: the ranks' shard widths
+    agree (``communication.check_shapes``: raised on a rank whose width is new to it)."""
+    k, n = stats.shape
+    if communication.world_size(o.group) == 1:
+        return stats.unsqueeze(0), None
+    send = stats.new_zeros(communication.stats_size(k, n))
+    send[:k * n] = stats.reshape(-1)
+    send[k * n] = o.width
+    gathered = communication.gather_stats(send, o.group)
+    communication.check_shapes(gathered, k, n, (o.width,), o.group)
+    agree = communication.shapes_agree(communication.gathered_shapes(gathered, k, n), (o.width,))
+    return communication.gathered_stats(gathered, k, n), agree
 
 
 def _finish(stats, t, o: Options):
     """Merge over the TP group; apply ignore and out-of-range targets."""
-    m, s, w, x_t, col = merge_logprob_stats(communication.gather_stats(stats, o.group))
+    parts, agree = _gather(stats, o)
+    m, s, w, x_t, col = merge_logprob_stats(parts)
     logp, ent, lse = logprob_and_entropy(m, s, w, x_t)
+    if agree is not None:  # shards that disagree: NaN on every rank, without a host sync
+        nan = torch.full((), float("nan"), dtype=lse.dtype, device=lse.device)
+        logp, ent, lse = (torch.where(agree, x, nan) for x in (logp, ent, lse))
     ignored = t == o.ignore_index
     bad = ~ignored & ((t < 0) | (t >= o.vocab_size))
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)

@@ -2,8 +2,8 @@
 Function (``autograd/logits.py``) and the ops registered for ``torch.compile``
 (``autograd/compiled_ops.py``).
 
-Forward: per-shard statistics (backend kernel) -> one all-gather over the TP group -> merge into
-the full-vocabulary loss and lse. Backward: no communication; the gradient is recomputed from the
+Forward: per-shard statistics (backend kernel) -> one all-gather over the TP group (with each
+shard's width, ``communication.check_shapes``) -> merge into the full-vocabulary loss and lse. Backward: no communication; the gradient is recomputed from the
 saved lse and written once.
 """
 
@@ -36,13 +36,16 @@ def forward_impl(view, t, group, opts, memo=None):
         if n > 0:
             logits_backend(logits).forward(view, t, opts, None, loss, lse, memo)
         return loss, lse
-    # the stats and the lse in one allocation: the lse is saved, the stats are gathered
-    buf = torch.empty((5, n), dtype=torch.float32, device=device)
-    stats, lse = buf[:4], buf[4]
+    # the stats (with this shard's width after them, written by the forward) and the lse in one
+    # allocation: the lse is saved, the stats are gathered
+    size = communication.stats_size(4, n)
+    buf = torch.empty(size + n, dtype=torch.float32, device=device)
+    send, lse = buf[:size], buf[size:]
     if n > 0:
         backend = logits_backend(logits)
-        backend.forward(view, t, opts, stats, None, None, memo)
-        gathered = communication.gather_stats(stats, group)
+        backend.forward(view, t, opts, send, None, None, memo)
+        gathered = communication.gather_stats(send, group)
+        communication.check_shapes(gathered, 4, n, (logits.shape[-1],), group)
         backend.merge(gathered, t, loss, lse, opts)
     return loss, lse
 

@@ -182,26 +182,34 @@ def _ce_forward_kernel(
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
     else:
-        # stats layout (4, N): max, sum-exp, target logit, sum of logits
+        # stats layout (4, N): max, sum-exp, target logit, sum of logits; then this shard's
+        # width, gathered with them (communication.check_shapes)
         tl.store(stats_ptr + row, m)
         tl.store(stats_ptr + N + row, s)
         tl.store(stats_ptr + 2 * N + row, x_t)
         tl.store(stats_ptr + 3 * N + row, sum_x)
+        if row == 0:
+            tl.store(stats_ptr + 4 * N, V_local * 1.0)
 
 
 @triton.jit
 def _ce_merge_kernel(
     stats_ptr, tgt_ptr, loss_ptr, lse_ptr,
-    N, WORLD, tgt_stride, V_global, ignore_index, smoothing, z_loss,
+    N, WORLD, RANK_STRIDE, tgt_stride, V_global, ignore_index, smoothing, z_loss,
     HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    """Merge the all-gathered (WORLD, 4, N) stats into the full-vocabulary loss."""
+    """Merge the all-gathered stats into the full-vocabulary loss: per rank, ``(4, N)`` stats and
+    then the rank's shard width (``RANK_STRIDE`` floats: ``communication.stats_size``); shards
+    of unequal width give NaN (every rank sees the same widths)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     ranks = tl.arange(0, BLOCK_W)
     row_ok = rows < N
     mask = (ranks[:, None] < WORLD) & row_ok[None, :]
-    base = stats_ptr + ranks[:, None].to(tl.int64) * (4 * N) + rows[None, :]
+    widths = tl.load(stats_ptr + ranks.to(tl.int64) * RANK_STRIDE + 4 * N, mask=ranks < WORLD,
+                     other=0.0)
+    unequal = tl.sum(((ranks < WORLD) & (widths != V_global // WORLD)).to(tl.int32), 0) > 0
+    base = stats_ptr + ranks[:, None].to(tl.int64) * RANK_STRIDE + rows[None, :]
     m_r = tl.load(base, mask=mask, other=float("-inf"))
     s_r = tl.load(base + N, mask=mask, other=0.0)
     x_t = tl.sum(tl.load(base + 2 * N, mask=mask, other=0.0), 0)
@@ -211,6 +219,7 @@ def _ce_merge_kernel(
     s = tl.sum(s_r * tl.exp2((m_r - m_safe[None, :]) * 1.4426950408889634), 0)
     m = tl.where(s != s, s, m)
     lse = m + tl.log2(s) * 0.6931471805599453
+    lse = tl.where(unequal, float("nan"), lse)
     t = tl.load(tgt_ptr + rows.to(tl.int64) * tgt_stride, mask=row_ok, other=0).to(tl.int64)
     loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing, z_loss,
                                  HAS_SMOOTHING, HAS_Z)
@@ -511,7 +520,10 @@ def backward_config(v_local: int, dtype: torch.dtype, smoothing: bool = False) -
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
-    """Per-row statistics into ``stats`` (4, N), or, when ``stats`` is None, loss and lse directly.
+    """Per-row statistics into ``stats``, or, when ``stats`` is None, loss and lse directly.
+
+    ``stats`` is the flat send buffer of ``communication.stats_size(4, N)`` floats: the ``(4, N)``
+    statistics, then this shard's width (the shapes gathered with them).
 
     ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets, ``opts`` the
     ``LossOptions``; ``memo`` (a dict, or None) remembers the launch for the next call with the
@@ -535,13 +547,15 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
 
 
 def merge(gathered, target, loss, lse, opts):
-    world, _, n = gathered.shape
+    """Loss and lse (N,) from ``gathered``, the ``(world, stats_size(4, N))`` all-gather of every
+    rank's ``forward`` statistics (``communication.gather_stats``)."""
+    world, n = gathered.shape[0], target.numel()
     _, vocab_size, ignore_index, smoothing, z_loss = opts
     block_n = 128
     launch(
         _ce_merge_kernel, (-(-n // block_n),),
-        gathered, target, loss, lse, n, world, target.stride(0), vocab_size, ignore_index,
-        smoothing, z_loss, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
+        gathered, target, loss, lse, n, world, gathered.stride(0), target.stride(0), vocab_size,
+        ignore_index, smoothing, z_loss, HAS_SMOOTHING=smoothing > 0, HAS_Z=z_loss != 0,
         BLOCK_N=block_n, BLOCK_W=max(2, 1 << (world - 1).bit_length()), num_warps=4,
     )
 

@@ -61,6 +61,10 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
     """Same contract as ``kernels.logits.forward``."""
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     t = target.long()
+    n = t.numel()
+    if stats is not None:  # the flat send buffer: (4, N) statistics, then this shard's width
+        stats[4 * n] = view.vocab
+        stats = stats[:4 * n].view(4, n)
     for lo, hi, block in _blocks(view):
         rows = block.reshape(-1, block.shape[-1])
         m, s, x_t, sum_x = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
@@ -72,8 +76,13 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
 
 
 def merge(gathered, target, loss, lse, opts):
-    """Same contract as ``kernels.logits.merge``: ``gathered`` is ``(world, 4, N)``."""
-    l, e = _loss_and_lse(target.long(), *merge_stats(gathered), opts)
+    """Same contract as ``kernels.logits.merge``: ``gathered`` holds every rank's flat send
+    buffer; shards of unequal width give NaN."""
+    world, n = gathered.shape[0], target.numel()
+    lse_all, x_t, sum_x = merge_stats(gathered[:, :4 * n].view(world, 4, n))
+    unequal = (gathered[:, 4 * n] != opts.vocab_size // world).any()
+    lse_all = torch.where(unequal, torch.full_like(lse_all, float("nan")), lse_all)
+    l, e = _loss_and_lse(target.long(), lse_all, x_t, sum_x, opts)
     loss.copy_(l)
     lse.copy_(e)
 
