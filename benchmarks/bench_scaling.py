@@ -10,7 +10,7 @@ per-rank median), and for this package also:
 
 * ``kernel``: the same local shard with ``tp_group=None`` (targets taken modulo ``V / TP``): the
   single-shard kernel time, without any communication;
-* ``collective``: ``vocab_parallel_loss.communication.gather_stats`` alone on a ``(4, N)`` fp32
+* ``collective``: ``vocab_parallel_loss.communication.gather_stats`` alone on the ``(4, N)`` fp32
   tensor (the one all-gather of the forward);
 * the collective's share of our total, ``collective / kernel``, and ``ours / kernel - 1`` (the
   whole cost of TP end to end: collective, merge, skew). Target: collective / kernel
@@ -232,7 +232,8 @@ def time_loss(fn, master, target, upstream, clock: Clock, reps: int, warmup: int
 
 
 def time_collective(group, n_rows: int, dev, clock: Clock, reps: int, warmup: int) -> float:
-    stats = torch.randn(4, n_rows, dtype=torch.float32, device=dev)
+    # the forward's send buffer: (4, N) statistics and the shard's shapes
+    stats = torch.randn(communication.stats_size(4, n_rows), dtype=torch.float32, device=dev)
     ts = []
     for i in range(warmup + reps):
         clock.align()
