@@ -50,9 +50,10 @@ _plans: dict = {}
 _MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
 
 
-def _check_args(logits, target, label_smoothing, reduction, z_loss):
+def _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index=-100):
     checks.check_float("logits", logits)
     checks.check_target_dtype(target)
+    checks.check_ignore_index(ignore_index)
     checks.check_smoothing(label_smoothing)
     checks.check_reduction(reduction)
     shape = logits.shape
@@ -68,7 +69,7 @@ def _check_args(logits, target, label_smoothing, reduction, z_loss):
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
                inplace_backward) -> tuple:
     """Check the arguments; returns ``(plan, reusable)``."""
-    _check_args(logits, target, label_smoothing, reduction, z_loss)
+    _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index)
     verified = True
     if tp_group is not None:  # no group: one shard, nothing to check
         verified = communication.check_equal_shards(logits.shape[-1], tp_group, logits.device)
@@ -186,9 +187,13 @@ except AttributeError:  # pragma: no cover - another torch: the public apply onl
 def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
          inplace_backward, check_targets) -> torch.Tensor:
     """``functional.cross_entropy`` (see there), arguments checked once per call signature."""
+    if ignore_index.__class__ is not int:  # a float would be truncated, -100.0 hash as -100
+        ignore_index = checks.check_ignore_index(ignore_index)
+    if target.dtype is not torch.int64:
+        target = checks.widened_target(target, ignore_index)
     if compiling():
         # registered torch.library ops: traced by torch.compile, no graph break
-        _check_args(logits, target, label_smoothing, reduction, z_loss)
+        _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index)
         if tp_group is not None:
             communication.check_equal_shards(logits.shape[-1], tp_group, logits.device)
         return compiled_ops.cross_entropy_ops(logits, target, tp_group, int(ignore_index),
