@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .. import communication
-from ..formulas import merge_stats, token_loss
+from ..formulas import merge_stats, relative_sums, token_loss
 from ..reference.linear import TorchBackend
 
 
@@ -57,13 +57,17 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
     return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
 
 
-def _merge(stats: torch.Tensor, group):
-    """All-gather ``(4, N)`` local statistics; returns global lse, target logit, sum of logits."""
-    return merge_stats(communication.gather_stats(stats, group))
+def _merge(stats: torch.Tensor, v_local: int, o: "_Opts"):
+    """All-gather ``(4, N)`` local statistics of ``v_local`` columns (the backends' format: the
+    last row is the sum of logits); returns ``(m, s, x_t, sum (x - m))`` of the global row."""
+    if o.smoothing > 0:
+        relative_sums(stats, v_local)
+    return merge_stats(communication.gather_stats(stats, o.group), v_local)
 
 
 def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None):
-    """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant."""
+    """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant (in the
+    lse's dtype: fp32, or fp64 for float64 inputs)."""
     a, z = o.smoothing, o.z_loss
     gp = g * (1.0 + 2.0 * z * lse) if z > 0 else g
     if grad_lse is not None:
@@ -82,14 +86,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
         grads = (None, None, None)
         if o.grad_in_forward:
-            lse, tgt, sumx, grads = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
-                                                        v_offset)
+            row_stats, grads = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global, v_offset)
         else:
             stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
                                             o.smoothing > 0)
-            lse, tgt, sumx = _merge(stats, o.group)
-        loss, ignored, _ = token_loss(t2, lse, tgt, sumx, v_global, o.ignore_index,
-                                      o.smoothing, o.z_loss)
+            row_stats = _merge(stats, v_local, o)
+        loss, lse, ignored, _ = token_loss(t2, *row_stats, v_global, o.ignore_index,
+                                           o.smoothing, o.z_loss)
 
         count = (~ignored).sum() if o.reduction == "mean" else None
         ctx.save_for_backward(e, c, bias, targets, lse, count, *grads)
@@ -141,8 +144,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     db = db + x_db
         else:
             e2, t2, _, _ = _rows(e, targets, o)
-            coef = _coef(lse, _token_grad(grad_loss, t2, count, o), o, v_global,
-                         grad_lse.reshape(-1).float() if grad_lse is not None else None)
+            coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
+                         grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
             de32, dc, db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
                                               need_de, need_dc, need_db)
         de = None
@@ -154,7 +157,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de = _unshifted(de32, full_shape, shifted_shape, e.dtype)
             else:
                 # the reduce-scatter splits the full sequence: pad it in fp32 first
-                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32) if o.shift
+                de32 = (_unshifted(de32, full_shape, shifted_shape, de32.dtype) if o.shift
                         else de32.view(full_shape))
                 if o.sequence_parallel:
                     de32 = communication.reduce_scatter_along_first_dim(de32, o.group)
@@ -172,26 +175,27 @@ def _unshifted(de32, full_shape, shifted_shape, dtype):
     return full
 
 
-def _token_grad(grad_loss, t2, count, o: _Opts):
-    """Per-token upstream gradient of the loss (0 for ignored tokens)."""
+def _token_grad(grad_loss, t2, count, o: _Opts, dtype):
+    """Per-token upstream gradient of the loss in ``dtype`` (0 for ignored tokens)."""
     n, dev = t2.numel(), t2.device
     valid = t2 != o.ignore_index
     if grad_loss is None:
-        g = torch.zeros(n, dtype=torch.float32, device=dev)
+        g = torch.zeros(n, dtype=dtype, device=dev)
     elif o.reduction == "none":
-        g = grad_loss.reshape(-1).float()
+        g = grad_loss.reshape(-1).to(dtype)
     elif o.reduction == "sum":
-        g = grad_loss.float().expand(n)
+        g = grad_loss.to(dtype).expand(n)
     else:
-        g = (grad_loss.float() / count.clamp(min=1)).expand(n)
-    return torch.where(valid, g, torch.zeros((), dtype=torch.float32, device=dev))
+        g = (grad_loss.to(dtype) / count.clamp(min=1)).expand(n)
+    return torch.where(valid, g, torch.zeros((), dtype=dtype, device=dev))
 
 
 def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int):
     """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
     over materialized fp32 row chunks of the logits (Triton backend only; see
-    ``LCEConfig.grad_in_forward``). Returns lse, target logit, sum of logits and the fp32
-    gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None where not needed)."""
+    ``LCEConfig.grad_in_forward``). Returns the merged row statistics ``(m, s, x_t, d)``
+    (``_merge``) and the fp32 gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))``
+    (None where not needed)."""
     K = o.backend
     cfg = K.default_config(e2.device)
     need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -204,9 +208,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     one = torch.ones((), dtype=f32, device=dev)
     scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
     g = torch.where(valid, scale, torch.zeros((), dtype=f32, device=dev))
-    lse = torch.empty(n, dtype=f32, device=dev)
-    tgt = torch.empty(n, dtype=f32, device=dev)
-    sumx = torch.empty(n, dtype=f32, device=dev)
+    row_stats = torch.empty((4, n), dtype=f32, device=dev)
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
@@ -218,9 +220,9 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
         er, tr = e2[r0:r1], t2[r0:r1]
         K.chunk_logits(er, c, x, cfg)
         stats = K.rows_stats(x, bias, tr, v_offset, o.softcap, o.smoothing > 0, cfg)
-        lse_r, tgt_r, sumx_r = _merge(stats, o.group)
-        lse[r0:r1], tgt[r0:r1], sumx[r0:r1] = lse_r, tgt_r, sumx_r
-        coef = _coef(lse_r, g[r0:r1], o, v_global)
+        m_r, s_r, tgt_r, d_r = _merge(stats, v, o)
+        row_stats[:, r0:r1] = torch.stack([m_r, s_r, tgt_r, d_r])
+        coef = _coef(m_r + torch.log(s_r), g[r0:r1], o, v_global)  # token_loss's lse
         dz = K.rows_dz_inplace(x, bias, tr, v_offset, coef, o.softcap, e2.dtype, cfg)
         if need_de:
             K.gemm_store(de[r0:r1], dz, c, cfg, None)
@@ -231,7 +233,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
                 K.gemm_acc(dc, dz.t(), er, cfg)
         if need_db:
             db += dz.sum(dim=0, dtype=f32)
-    return lse, tgt, sumx, (de, dc, db)
+    return row_stats.unbind(0), (de, dc, db)
 
 
 def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> bool:
