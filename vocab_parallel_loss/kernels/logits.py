@@ -82,6 +82,14 @@ def _moved(m_old, m_safe, count):
 
 
 @triton.jit
+def _tile_row_columns(V_local, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """How many of the row's columns each tile row of a ``[BLOCK // VEC, VEC]`` tile reads over
+    the whole row (the last block is cut at ``V_local``)."""
+    rest = V_local % BLOCK - tl.arange(0, BLOCK // VEC) * VEC
+    return ((V_local // BLOCK) * VEC + tl.minimum(tl.maximum(rest, 0), VEC)).to(tl.float32)
+
+
+@triton.jit
 def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
                      VEC: tl.constexpr, HINT: tl.constexpr):
     """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
@@ -90,8 +98,8 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
     ``sum (x - max)`` is kept per element (each element's ``x - max`` is the exponential's
     argument already) and reduced once, at the end, plus a per-tile-row term for the moves of
     the running max: a per-block reduction of the loaded tile crashed Triton 3.6's
-    thread-locality pass for fp32. Returns per tile row the max, the sum of exponentials, that
-    sum of differences and the number of columns read."""
+    thread-locality pass for fp32. Returns per tile row the max, the sum of exponentials and
+    that sum of differences."""
     offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK // VEC], tl.float32)
@@ -105,7 +113,6 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
         if HAS_SMOOTHING:
             d += diff
             moved += _moved(m_old, m_safe, b * VEC)
-    count = tl.zeros([BLOCK // VEC], tl.float32) + n_full * VEC
     if n_full * BLOCK < V_local:
         idx = n_full * BLOCK + offs
         mask = idx < V_local
@@ -115,8 +122,7 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
         if HAS_SMOOTHING:
             d += tl.where(mask, diff, 0.0)
             moved += _moved(m_old, m_safe, n_full * VEC)
-            count += tl.sum(mask.to(tl.float32), 1)
-    return m, s, tl.sum(d, 1) + moved, count
+    return m, s, tl.sum(d, 1) + moved
 
 
 @triton.jit
@@ -140,22 +146,21 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
     # trailing it (worth several % on short TP shards)
     x_t = _target_logit(x_row, t_local, V_local)
     if SPLIT:
-        m, s, d, count = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, HINT)
+        m, s, d = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, HINT)
     else:
         offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
         m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK // VEC], tl.float32)
         d = tl.zeros([BLOCK // VEC], tl.float32)
-        count = tl.zeros([BLOCK // VEC], tl.float32)
         for start in range(0, V_local, BLOCK):
             idx = start + offs
             mask = idx < V_local
             x = _load_masked(x_row + idx, mask, HINT)
             m_old = m
             m, s, diff, m_safe = _stats_step(x, m, s)
-            if HAS_SMOOTHING:
-                d += tl.sum(tl.where(mask, diff, 0.0), 1) + _moved(m_old, m_safe, count)
-                count += tl.sum(mask.to(tl.float32), 1)
+            if HAS_SMOOTHING:  # every block before this one was whole: start // BLOCK * VEC
+                d += tl.sum(tl.where(mask, diff, 0.0), 1) + _moved(m_old, m_safe,
+                                                                    start // BLOCK * VEC)
     m_row = tl.max(m, 0)
     m_row_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
     s_row = tl.sum(s * tl.exp2((m - m_row_safe) * 1.4426950408889634), 0)
@@ -163,7 +168,7 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
     m_row = tl.where(s_row != s_row, s_row, m_row)
     if HAS_SMOOTHING:  # the tile rows' sums moved to the row's max
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        sx = tl.sum(d + _moved(m_safe, m_row_safe, count), 0)
+        sx = tl.sum(d + _moved(m_safe, m_row_safe, _tile_row_columns(V_local, BLOCK, VEC)), 0)
     else:
         sx = 0.0
     return m_row, s_row, x_t, sx
@@ -321,7 +326,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
 
     ``SUM_X``: also returns ``sum (x - ref)`` over the row (label smoothing's loss needs it,
     ``ref`` the row's max: ``formulas.py``), a subtract and an add per element into a per-lane
-    accumulator: the unmasked blocks need no select; an ignored row returns 0."""
+    accumulator, with no select; an ignored row returns 0."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
@@ -331,13 +336,15 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         if tail < V_local:
             idx = tail + cols
             mask = idx < V_local
-            x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy=LOAD_HINT,
-                        cache_modifier=LOAD_CACHE).to(tl.float32)
+            # past the row's end: ref itself (a logit of the row, so exact in its dtype), which
+            # adds 0 to the sum (a select here cost 48 registers more, ptxas 13.x for sm_90)
+            x = tl.load(x_row + idx, mask=mask, other=ref if SUM_X else 0.0,
+                        eviction_policy=LOAD_HINT, cache_modifier=LOAD_CACHE).to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
-                acc += tl.where(mask, x - ref, 0.0)
+                acc += x - ref
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
                      eviction_policy=STORE_HINT, cache_modifier=STORE_CACHE)
         for i in range(0, n_full):
