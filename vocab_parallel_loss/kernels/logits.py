@@ -337,7 +337,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
             idx = tail + cols
             mask = idx < V_local
             # past the row's end: ref itself (a logit of the row, so exact in its dtype), which
-            # adds 0 to the sum (a select here cost 48 registers more, ptxas 13.x for sm_90)
+            # adds 0 to the sum (a select here cost 48 registers more: ptxas 13.4, sm_90a)
             x = tl.load(x_row + idx, mask=mask, other=ref if SUM_X else 0.0,
                         eviction_policy=LOAD_HINT, cache_modifier=LOAD_CACHE).to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
