@@ -31,7 +31,10 @@ def triton_runs(t: torch.Tensor) -> bool:
 
 
 def logits_backend(t: torch.Tensor):
-    """The backend module of the loss over logits for logits ``t``."""
+    """The backend module of the loss over logits for logits ``t``: float64 logits always run
+    PyTorch, in float64 (the kernels accumulate in fp32)."""
+    if t.dtype is torch.float64:
+        return torch_logits
     return triton_logits if triton_runs(t) else torch_logits
 
 

@@ -2,22 +2,66 @@
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 REDUCTIONS = ("none", "mean", "sum")
+
+#: target dtypes used as they are; the kernels read them and widen in registers
+WIDE_TARGETS = (torch.int64, torch.int32)
+#: narrower integer targets, widened to int64 once at the entry: compared in their own dtype,
+#: ``ignore_index`` (-100) and vocabulary sizes past their range would wrap
+NARROW_TARGETS = tuple(getattr(torch, name) for name in ("int16", "int8", "uint8", "uint16",
+                                                         "uint32") if hasattr(torch, name))
+_TARGET_NAMES = ", ".join(str(d).replace("torch.", "") for d in WIDE_TARGETS + NARROW_TARGETS)
+_I32 = 2**31
+_I64 = 2**63
+
 
 def check_float(name: str, t: torch.Tensor) -> None:
     if not torch.is_floating_point(t):
         raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def check_target_dtype(target: torch.Tensor) -> None:
-    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
-        raise TypeError(f"target must be an integer tensor (int32 or int64), got {target.dtype}")
+def check_target_dtype(target: torch.Tensor, name: str = "target") -> None:
+    if target.dtype not in WIDE_TARGETS and target.dtype not in NARROW_TARGETS:
+        raise TypeError(f"{name} must be an integer tensor of class ids ({_TARGET_NAMES}), "
+                        f"got {target.dtype}")
+
+
+def widened_target(target: torch.Tensor, ignore_index: int, name: str = "target") -> torch.Tensor:
+    """``target`` itself when int64, or int32 with ``ignore_index`` in int32's range; else its
+    int64 copy (a cheap cast of N integers), so every comparison happens in 64 bits."""
+    dtype = target.dtype
+    if dtype is torch.int64 or (dtype is torch.int32 and -_I32 <= ignore_index < _I32):
+        return target
+    check_target_dtype(target, name)
+    return target.long()
+
+
+def check_ignore_index(ignore_index) -> int:
+    """``ignore_index`` as an int: any integer type but bool, within int64's range."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    value = int(ignore_index)
+    if not -_I64 <= value < _I64:
+        raise ValueError(f"ignore_index must fit in int64, got {value}")
+    return value
+
+
+def _number(name: str, value) -> float:
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
 
 
 def check_smoothing(label_smoothing: float) -> None:
-    if not 0.0 <= float(label_smoothing) <= 1.0:
+    if not 0.0 <= _number("label_smoothing", label_smoothing) <= 1.0:  # NaN fails too
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
@@ -52,5 +96,16 @@ def check_target_range(target: torch.Tensor, vocab_size: int, ignore_index: int)
 
 
 def check_z_loss(z_loss: float) -> None:
-    if float(z_loss) < 0:
-        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if not 0.0 <= _number("z_loss", z_loss) < math.inf:  # NaN fails too
+        raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
+
+
+def check_softcap(softcap) -> None:
+    if softcap is not None and not 0.0 < _number("softcap", softcap) < math.inf:
+        raise ValueError(f"softcap must be None or finite and > 0, got {softcap}")
+
+
+def check_shift(shift) -> None:
+    if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or int(shift) != shift \
+            or shift < 0:
+        raise ValueError(f"shift must be a non-negative int, got {shift!r}")

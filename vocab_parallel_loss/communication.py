@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime import capturing
+from .runtime import capturing, compiling
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 

@@ -1,15 +1,22 @@
 """The loss math in PyTorch, written once: merging per-shard statistics and the per-token loss.
 
 Per token with global logits ``x``, target ``t``, label smoothing ``a``, z-loss ``z`` and global
-vocabulary ``V``::
+vocabulary ``V``, row max ``m`` and ``s = sum_j exp(x_j - m)``::
 
-    lse  = log sum_j exp(x_j)
-    loss = (1 - a) (lse - x_t) + a (lse - sum_j x_j / V) + z lse^2
+    lse  = m + log s
+    loss = (1 - a) ((m - x_t) + log s) + a (log s - sum_j (x_j - m) / V) + z lse^2
+
+which is ``(1 - a) (lse - x_t) + a (lse - sum_j x_j / V) + z lse^2`` written so that the large
+terms cancel first: ``m - x_t`` and ``x_j - m`` are exact for logits near a common offset (where
+``lse - x_t`` would lose ``|lse| * 2^-24``), and the sum of differences from the max cannot
+overflow where the sum of logits would (logits near 3e38).
 
 Each vocabulary shard (or vocabulary split of one shard) contributes the statistics
-``(m, s, x_t, sum_x)``: its max, ``sum exp(x - m)``, the target logit (0 when the target is not
-in the shard) and the sum of its logits. The Triton kernels compute the same in-kernel; these
-functions serve the PyTorch backends and the host-side merges.
+``(m, s, x_t, d)``: its max, ``sum exp(x - m)``, the target logit (0 when the target is not in
+the shard) and ``d = sum (x - m)`` over its columns (label smoothing only; ``-inf`` when a logit
+is ``-inf``). The Triton kernels compute the same in-kernel; these functions serve the PyTorch
+backends and the host-side merges. Arithmetic is fp32, or fp64 for float64 inputs
+(``compute_dtype``).
 """
 
 from __future__ import annotations
@@ -17,8 +24,23 @@ from __future__ import annotations
 import torch
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the statistics, the loss and the lse are computed in for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def relative_sums(stats: torch.Tensor, v_part: int) -> torch.Tensor:
+    """``(4, N)`` statistics whose last row is the plain sum of logits (the fused linear
+    kernels' format) turned into ``sum (x - m)`` over ``v_part`` columns, in place."""
+    m, sum_x = stats[0], stats[3]
+    d = sum_x - v_part * m
+    stats[3] = torch.where(m == float("-inf"), m, d)
+    return stats
+
+
 def merge_partial_stats(parts: torch.Tensor):
-    """Merge ``(S, 4, N)`` statistics of ``S`` disjoint column ranges into ``(m, s, x_t, sum_x)``.
+    """Merge ``(S, 4, N)`` statistics of ``S`` disjoint column ranges whose last row is the plain
+    sum of logits (the fused linear kernels' vocabulary splits) into ``(m, s, x_t, sum_x)``.
 
     A range whose logits are all ``-inf`` has ``m = -inf`` and ``s = 0``; it adds nothing (no
     ``-inf - -inf`` NaN). A NaN anywhere in a row makes that row's ``m`` and ``s`` NaN.
@@ -31,29 +53,42 @@ def merge_partial_stats(parts: torch.Tensor):
     return m, s, parts[:, 2].sum(dim=0), parts[:, 3].sum(dim=0)
 
 
-def merge_stats(parts: torch.Tensor):
-    """``(lse, x_t, sum_x)`` of the whole vocabulary from ``(S, 4, N)`` per-range statistics."""
+def merge_stats(parts: torch.Tensor, v_part: int):
+    """``(m, s, x_t, d)`` of the whole row from ``(S, 4, N)`` statistics of ``S`` disjoint
+    column ranges of ``v_part`` columns each.
+
+    A range whose logits are all ``-inf`` has ``m = -inf`` and ``s = 0``; it adds nothing to
+    ``s`` (no ``-inf - -inf`` NaN) and ``-inf`` to ``d``. A NaN anywhere in a row makes that
+    row's ``m`` and ``s`` NaN.
+    """
     if parts.shape[0] == 1:
-        return parts[0, 0] + torch.log(parts[0, 1]), parts[0, 2], parts[0, 3]
-    m, s, x_t, sum_x = merge_partial_stats(parts)
-    return m + torch.log(s), x_t, sum_x
+        return parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3]
+    m_r, s_r, d_r = parts[:, 0], parts[:, 1], parts[:, 3]
+    m = m_r.amax(dim=0)
+    m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+    s = (s_r * torch.exp(m_r - m_safe)).sum(dim=0)
+    d = (d_r + v_part * (m_r - m_safe)).sum(dim=0)
+    m = torch.where(torch.isnan(s), s, m)
+    return m, s, parts[:, 2].sum(dim=0), d
 
 
-def token_loss(target, lse, x_t, sum_x, vocab_size: int, ignore_index: int, smoothing: float,
+def token_loss(target, m, s, x_t, d, vocab_size: int, ignore_index: int, smoothing: float,
                z_loss: float):
-    """Per-token fp32 loss: 0 for ``ignore_index``, NaN for any other target outside
-    ``[0, vocab_size)``. Returns ``(loss, ignored, out_of_range)`` (the masks for callers that
-    also mask the lse or count the tokens)."""
-    loss = lse - x_t
+    """Per-token loss (0 for ``ignore_index``, NaN for any other target outside
+    ``[0, vocab_size)``) and lse from the row statistics. Returns ``(loss, lse, ignored,
+    out_of_range)`` (the masks for callers that also mask the lse or count the tokens)."""
+    log_s = torch.log(s)
+    lse = m + log_s
+    loss = (m - x_t) + log_s
     if smoothing > 0:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_x / vocab_size)
+        loss = (1.0 - smoothing) * loss + smoothing * (log_s - d / vocab_size)
     if z_loss != 0:
         loss = loss + z_loss * lse * lse
     ignored = target == ignore_index
     bad = ~ignored & ((target < 0) | (target >= vocab_size))
     loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
     loss = torch.where(ignored, torch.zeros_like(loss), loss)
-    return loss, ignored, bad
+    return loss, lse, ignored, bad
 
 
 def merge_logprob_stats(parts: torch.Tensor):

@@ -34,13 +34,13 @@ def cross_entropy(
     """Full-vocabulary cross entropy from this rank's vocabulary shard ``logits[..., V_local]``.
 
     Rank ``r`` of ``tp_group`` holds columns ``[r * V_local, (r + 1) * V_local)``; every rank
-    returns the same fp32 loss. ``reduction`` is ``"none"`` (shape of ``target``), ``"mean"``
-    (over non-ignored tokens; 0 when there are none) or ``"sum"``. ``z_loss`` adds
-    ``z_loss * lse**2`` per token. A target outside the vocabulary that is not ``ignore_index``
-    gives a NaN loss for that token (``check_targets=True`` or the environment variable
-    ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen or traced
-    by ``torch.compile``, raises instead, at the cost of a host sync). Every rank must hold the
-    same ``V_local``: see ``communication.check_shapes`` for how unequal shards are reported.
+    returns the same fp32 loss (fp64 for float64 logits). ``reduction`` is ``"none"`` (shape of
+    ``target``), ``"mean"`` (over non-ignored tokens; 0 when there are none) or ``"sum"``.
+    ``z_loss`` adds ``z_loss * lse**2`` per token. A target outside the vocabulary that is not
+    ``ignore_index`` gives a NaN loss for that token (``check_targets=True`` or the environment
+    variable ``VOCAB_PARALLEL_LOSS_CHECK_TARGETS=1``, read when a call signature is first seen or
+    traced by ``torch.compile``, raises instead, at the cost of a host sync). Every rank must hold
+    the same ``V_local``: see ``communication.check_shapes`` for how unequal shards are reported.
 
     ``inplace_backward=True``: the backward writes the gradient over ``logits`` and bumps their
     autograd version. Until then they keep their values; an autograd use of them whose backward
@@ -100,16 +100,17 @@ def linear_cross_entropy(
 
     Returns
     -------
-    The fp32 loss (scalar, or per token for ``reduction="none"``, shaped like the shifted
-    targets), and with ``return_lse=True`` the tuple ``(loss, lse)``. Every rank returns the
-    full-vocabulary values. A target outside ``[0, V)`` that is not ``ignore_index`` gives a NaN
-    loss for that token (no out-of-bounds read). The gradient of ``c`` is this rank's slice; the
-    gradient of ``e`` is the full gradient (summed over the group in fp32, rounded once).
-    Deterministic: no atomics; every sum is taken in a fixed order. No second derivative: a
-    backward with ``create_graph=True`` through the loss raises.
+    The fp32 loss (fp64 for float64 inputs; scalar, or per token for ``reduction="none"``,
+    shaped like the shifted targets), and with ``return_lse=True`` the tuple ``(loss, lse)``.
+    Every rank returns the full-vocabulary values. A target outside ``[0, V)`` that is not
+    ``ignore_index`` gives a NaN loss for that token (no out-of-bounds read). The gradient of
+    ``c`` is this rank's slice; the gradient of ``e`` is the full gradient (summed over the group
+    in fp32, rounded once). Deterministic: no atomics; every sum is taken in a fixed order. No
+    second derivative: a backward with ``create_graph=True`` through the loss raises.
     """
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)
+    targets = checks.widened_target(targets, int(ignore_index), "targets")
     if settings.flag(settings.CHECK_TARGETS, False):
         vocab = c.shape[0] * communication.world_size(tp_group)
         if compiling():  # the check reads the device: an op of the graph, run at run time
@@ -128,7 +129,8 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
               sequence_parallel, label_smoothing, z_loss, impl):
     checks.check_float("e", e)
     checks.check_float("c", c)
-    checks.check_target_dtype(targets)
+    checks.check_target_dtype(targets, "targets")
+    checks.check_ignore_index(ignore_index)
     checks.check_smoothing(label_smoothing)
     checks.check_reduction(reduction)
     if impl not in IMPLS:
@@ -152,10 +154,8 @@ def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, grou
             raise ValueError(f"bias dtype {bias.dtype} differs from c's {c.dtype}")
     checks.check_same_device(e=e, c=c, targets=targets, bias=bias)
     checks.check_z_loss(z_loss)
-    if softcap is not None and not float(softcap) > 0:
-        raise ValueError(f"softcap must be None or > 0, got {softcap}")
-    if isinstance(shift, bool) or int(shift) != shift or shift < 0:
-        raise ValueError(f"shift must be a non-negative int, got {shift!r}")
+    checks.check_softcap(softcap)
+    checks.check_shift(shift)
     lead = list(e.shape[:-1])
     world = communication.world_size(group)
     if sequence_parallel and world > 1:

@@ -30,7 +30,7 @@ class VocabParallelCrossEntropy(_SharesGroup, nn.Module):
     """Cross entropy over vocabulary-sharded logits; every rank gets the full-vocabulary loss.
 
     ``forward(logits, target)``: ``logits`` is ``(..., V_local)`` (any strides: Megatron's
-    ``[s, b, v/tp]`` included), ``target`` is ``(...)`` of int32/int64. See
+    ``[s, b, v/tp]`` included), ``target`` is ``(...)`` of integer class ids. See
     :func:`vocab_parallel_loss.cross_entropy` for the semantics.
     """
 
@@ -43,7 +43,7 @@ class VocabParallelCrossEntropy(_SharesGroup, nn.Module):
         self.tp_group = tp_group
         communication.group_key(tp_group)  # register the group by name before any compiled call
         self.label_smoothing = float(label_smoothing)
-        self.ignore_index = int(ignore_index)
+        self.ignore_index = checks.check_ignore_index(ignore_index)
         self.reduction = reduction
         self.z_loss = float(z_loss)
         self.inplace_backward = bool(inplace_backward)
@@ -72,11 +72,15 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
                  tp_group=None, sequence_parallel: bool = False, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, impl: str = "auto"):
         super().__init__()
+        # every option checked here, as linear_cross_entropy checks it, not at the first forward
         checks.check_reduction(reduction)
         checks.check_smoothing(label_smoothing)
+        checks.check_z_loss(z_loss)
+        checks.check_softcap(softcap)
+        checks.check_shift(shift)
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        self.ignore_index = ignore_index
+        self.ignore_index = checks.check_ignore_index(ignore_index)
         self.softcap = softcap
         self.reduction = reduction
         self.shift = shift

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tests._torchrun import init_worker_process_group
 
-from tests._oracle import full_vocab_loss_and_grad
+from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
 from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, parallel_cross_entropy,
                                  vocab_parallel_cross_entropy)
 
@@ -87,6 +87,41 @@ def check_case(group, *, api, layout, dtype, reduction, smoothing, z_loss, v_loc
     torch.testing.assert_close(grad.double().cpu(), shard(ref_grad, rank, world), atol=gtol,
                                rtol=2 * gtol)
     same_on_every_rank(loss.detach(), group)
+
+
+def check_input_domain(group):
+    """Narrow integer targets, float64 logits, logits near a large offset and near fp32's
+    limit with label smoothing (the merge of the shards' sums of logits)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    v = 80 * world  # at least 160 columns: the uint8 target 156 (-100 in 8 bits) is a class
+    gen = torch.Generator().manual_seed(5)
+    target = torch.randint(0, min(v, 256), (6,), generator=gen)
+    target[0] = 156
+    fn = VocabParallelCrossEntropy(group, label_smoothing=0.1, reduction="mean")
+    full = torch.randn(6, v, generator=gen, dtype=torch.float64) * 3
+    for dtype, tdtype in [(torch.float32, torch.uint8), (torch.float64, torch.int16)]:
+        x = shard(full.to(dtype).to(DEVICE), rank, world).requires_grad_()
+        loss = fn(x, target.to(tdtype).to(DEVICE))
+        (grad,) = torch.autograd.grad(loss, x)
+        ref_loss, ref_grad = full_vocab_loss_and_grad(full.to(dtype), target,
+                                                      label_smoothing=0.1, reduction="mean")
+        assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        tol = 1e-12 if dtype == torch.float64 else 1e-5
+        torch.testing.assert_close(loss.double().cpu(), ref_loss, atol=tol, rtol=tol)
+        torch.testing.assert_close(grad.double().cpu(), shard(ref_grad, rank, world),
+                                   atol=tol / 5, rtol=tol)
+        same_on_every_rank(loss.detach(), group)
+    # near 2e38 with finite differences (test_input_domain.near_fp32_limit), a -inf in row 2
+    near_limit = 2e38 + torch.arange(v) % 7 * 1e35
+    near_limit = near_limit.repeat(3, 1).float()
+    near_limit[:, 0], near_limit[2, 1] = 1.9e38, float("-inf")
+    for full32, rtol in [(full.float() + 1e4, 8 * torch.finfo(torch.float32).eps),
+                         (near_limit, 1e-6)]:
+        n = full32.shape[0]
+        loss = VocabParallelCrossEntropy(group, label_smoothing=0.1)(
+            shard(full32.to(DEVICE), rank, world), target[:n].to(DEVICE))
+        ref = full_vocab_loss(full32, target[:n], label_smoothing=0.1)
+        torch.testing.assert_close(loss.double().cpu(), ref, atol=0, rtol=rtol)
 
 
 def check_against_megatron(group, world):
@@ -174,7 +209,8 @@ def main() -> None:
         check_case(group, api="module", layout="sbv", dtype=torch.bfloat16, reduction="none",
                    smoothing=0.1, z_loss=0.0)
         check_against_megatron(group, world)
-        n += 2
+        check_input_domain(group)
+        n += 3
     check_compiled(group)
     n += 1
     if world > 1:  # one rank has nothing to compare its shard with

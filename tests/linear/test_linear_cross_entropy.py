@@ -330,12 +330,19 @@ def test_auto_uses_triton_under_interpreter():
     assert backends.linear_backend("torch", e) is TorchBackend
 
 
-def test_fp64_inputs_fall_back_to_torch():
-    e, c, _, t = make(dtype=torch.float64)
-    loss = linear_cross_entropy(e, c, t)
-    want, _ = lce_reference(e, c, t)
-    assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp64_inputs_are_computed_in_fp64(reduction):
+    e, c, b, t = make(dtype=torch.float64, bias=True)
+    got, grads = run(e, c, b, t, "auto", reduction=reduction, label_smoothing=0.1, z_loss=1e-3,
+                     softcap=5.0)
+    want, wgrads = reference_grads(e, c, t, b, reduction=reduction, label_smoothing=0.1,
+                                   z_loss=1e-3, softcap=5.0)
+    assert got.dtype == torch.float64
+    # fp64 accuracy: fp32 arithmetic would be off by ~1e-7
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    for a, w in zip(grads, wgrads):
+        assert a.dtype == torch.float64
+        torch.testing.assert_close(a, w, atol=1e-12, rtol=1e-10)
 
 
 # ------------------------------------------------------------------------------------ errors

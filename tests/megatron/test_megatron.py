@@ -59,7 +59,7 @@ def test_flags_parse():
     # A namespace without our group (Megatron-LM run without the extra args) keeps the defaults.
     assert VocabParallelLossConfig.from_args(argparse.Namespace()) == VocabParallelLossConfig()
     with pytest.raises(ValueError):
-        VocabParallelLossConfig(label_smoothing=1.0)
+        VocabParallelLossConfig(label_smoothing=1.5)
     with pytest.raises(SystemExit):
         parser.parse_args(["--vocab-parallel-loss-z-loss", "abc"])
 

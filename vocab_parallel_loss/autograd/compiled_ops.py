@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .. import checks, communication
+from ..formulas import compute_dtype
 from ..layout import row_view
 from .steps import backward_impl, forward_impl, loss_options
 
@@ -34,8 +35,8 @@ def ce_forward(logits: torch.Tensor, target: torch.Tensor, group: str, ignore_in
 
 @ce_forward.register_fake
 def _(logits, target, group, ignore_index, smoothing, z_loss, check_targets=False):
-    n = target.numel()
-    return (logits.new_empty(n, dtype=torch.float32), logits.new_empty(n, dtype=torch.float32))
+    n, dtype = target.numel(), compute_dtype(logits.dtype)
+    return (logits.new_empty(n, dtype=dtype), logits.new_empty(n, dtype=dtype))
 
 
 @torch.library.custom_op(f"{_NS}::ce_backward", mutates_args=())

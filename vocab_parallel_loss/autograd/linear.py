@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from .. import communication
-from ..formulas import merge_stats, token_loss
+from ..formulas import merge_stats, relative_sums, token_loss
 from ..reference.linear import TorchBackend
 from ..runtime import compiling
 from . import compiled_ops
@@ -74,45 +74,48 @@ def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: _Opts) -
     return (c.shape[0],)
 
 
-def _merge(stats: torch.Tensor, group, shapes: tuple):
-    """All-gather ``(4, N)`` local statistics with this rank's ``shapes``; returns global lse
-    (NaN when the ranks' shapes disagree), target logit, sum of logits, and the gathered buffer
+def _merge(stats: torch.Tensor, v_local: int, o: "_Opts", shapes: tuple):
+    """All-gather ``(4, N)`` local statistics of ``v_local`` columns (the backends' format: the
+    last row is the sum of logits) with this rank's ``shapes``; returns ``(m, s, x_t, sum (x -
+    m))`` of the global row (``m`` NaN when the ranks' shapes disagree) and the gathered buffer
     (None without TP) for ``_check_shapes``."""
-    world = communication.world_size(group)
-    if world == 1:
-        return (*merge_stats(stats.unsqueeze(0)), None)
+    if o.smoothing > 0:
+        relative_sums(stats, v_local)
+    if communication.world_size(o.group) == 1:
+        return merge_stats(stats.unsqueeze(0), v_local), None
     n = stats.shape[1]
     send = stats.new_zeros(communication.stats_size(4, n))
     send[:4 * n].view(4, n).copy_(stats)
     for i, v in enumerate(shapes[:2]):  # no host-to-device copy: it would sync
         send[4 * n + i].fill_(v)
-    gathered = communication.gather_stats(send, group)
-    lse, tgt, sumx = merge_stats(communication.gathered_stats(gathered, 4, n))
+    gathered = communication.gather_stats(send, o.group)
+    m, s, x_t, d = merge_stats(communication.gathered_stats(gathered, 4, n), v_local)
     agree = communication.shapes_agree(communication.gathered_shapes(gathered, 4, n), shapes)
-    return _nan_unless(agree, lse), tgt, sumx, gathered
+    return (_nan_unless(agree, m), s, x_t, d), gathered
 
 
 def _nan_unless(ok: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, x, torch.full_like(x, float("nan")))
 
 
-def _check_shapes(gathered, lse, shapes: tuple, group):
+def _check_shapes(gathered, m, shapes: tuple, group):
     """Raise on every rank whose shapes are new to it when the ranks' shapes disagree; called
     after the forward's last collective, so that no rank raises while others still gather.
-    Returns ``lse`` (under torch.compile the check is an op that the result depends on)."""
+    Returns the row max ``m`` (under torch.compile the check is an op that it depends on)."""
     if gathered is None:
-        return lse
+        return m
     n = (gathered.shape[1] - communication.SHAPE_SLOTS) // 4
     if compiling():
         agree = compiled_ops.shapes_agree(gathered, 4, n, list(shapes),
                                           communication.group_key(group))
-        return _nan_unless(agree, lse)
+        return _nan_unless(agree, m)
     communication.check_shapes(gathered, 4, n, shapes, group)
-    return lse
+    return m
 
 
 def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None):
-    """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant."""
+    """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant (in the
+    lse's dtype: fp32, or fp64 for float64 inputs)."""
     a, z = o.smoothing, o.z_loss
     gp = g * (1.0 + 2.0 * z * lse) if z > 0 else g
     if grad_lse is not None:
@@ -132,15 +135,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
         grads = (None, None, None)
         if o.grad_in_forward:
-            lse, tgt, sumx, grads, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o,
-                                                                  v_global, v_offset, shapes)
+            row_stats, grads, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
+                                                             v_offset, shapes)
         else:
             stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
                                             o.smoothing > 0)
-            lse, tgt, sumx, gathered = _merge(stats, o.group, shapes)
-        lse = _check_shapes(gathered, lse, shapes, o.group)
-        loss, ignored, _ = token_loss(t2, lse, tgt, sumx, v_global, o.ignore_index,
-                                      o.smoothing, o.z_loss)
+            row_stats, gathered = _merge(stats, v_local, o, shapes)
+        m = _check_shapes(gathered, row_stats[0], shapes, o.group)
+        loss, lse, ignored, _ = token_loss(t2, m, *row_stats[1:], v_global, o.ignore_index,
+                                           o.smoothing, o.z_loss)
 
         count = (~ignored).sum() if o.reduction == "mean" else None
         ctx.save_for_backward(e, c, bias, targets, lse, count, *grads)
@@ -196,8 +199,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     db = db + x_db
         else:
             e2, t2, _, _ = _rows(e, targets, o)
-            coef = _coef(lse, _token_grad(grad_loss, t2, count, o), o, v_global,
-                         grad_lse.reshape(-1).float() if grad_lse is not None else None)
+            coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
+                         grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
             de32, dc, db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
                                               need_de, need_dc, need_db)
         de = None
@@ -209,7 +212,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de = _unshifted(de32, full_shape, shifted_shape, e.dtype, o.seq_dim)
             else:
                 # the reduce-scatter splits the full sequence: pad it in fp32 first
-                de32 = (_unshifted(de32, full_shape, shifted_shape, torch.float32, o.seq_dim)
+                de32 = (_unshifted(de32, full_shape, shifted_shape, de32.dtype, o.seq_dim)
                         if o.shift else de32.view(full_shape))
                 if o.sequence_parallel:
                     de32 = communication.reduce_scatter_along_first_dim(de32, o.group)
@@ -228,28 +231,29 @@ def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
     return full
 
 
-def _token_grad(grad_loss, t2, count, o: _Opts):
-    """Per-token upstream gradient of the loss (0 for ignored tokens)."""
+def _token_grad(grad_loss, t2, count, o: _Opts, dtype):
+    """Per-token upstream gradient of the loss in ``dtype`` (0 for ignored tokens)."""
     n, dev = t2.numel(), t2.device
     valid = t2 != o.ignore_index
     if grad_loss is None:
-        g = torch.zeros(n, dtype=torch.float32, device=dev)
+        g = torch.zeros(n, dtype=dtype, device=dev)
     elif o.reduction == "none":
-        g = grad_loss.reshape(-1).float()
+        g = grad_loss.reshape(-1).to(dtype)
     elif o.reduction == "sum":
-        g = grad_loss.float().expand(n)
+        g = grad_loss.to(dtype).expand(n)
     else:
-        g = (grad_loss.float() / count.clamp(min=1)).expand(n)
-    return torch.where(valid, g, torch.zeros((), dtype=torch.float32, device=dev))
+        g = (grad_loss.to(dtype) / count.clamp(min=1)).expand(n)
+    return torch.where(valid, g, torch.zeros((), dtype=dtype, device=dev))
 
 
 def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int,
                         shapes: tuple):
     """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
     over materialized fp32 row chunks of the logits (Triton backend only; see
-    ``LCEConfig.grad_in_forward``). Returns lse, target logit, sum of logits, the fp32
-    gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None where not needed) and the
-    first chunk's gathered statistics (for ``_check_shapes``; None without TP or rows)."""
+    ``LCEConfig.grad_in_forward``). Returns the merged row statistics ``(m, s, x_t, d)``
+    (``_merge``), the fp32 gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None
+    where not needed) and the first chunk's gathered statistics (for ``_check_shapes``; None
+    without TP or rows)."""
     K = o.backend
     cfg = K.default_config(e2.device)
     need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -262,9 +266,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     one = torch.ones((), dtype=f32, device=dev)
     scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
     g = torch.where(valid, scale, torch.zeros((), dtype=f32, device=dev))
-    lse = torch.empty(n, dtype=f32, device=dev)
-    tgt = torch.empty(n, dtype=f32, device=dev)
-    sumx = torch.empty(n, dtype=f32, device=dev)
+    row_stats = torch.empty((4, n), dtype=f32, device=dev)
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
@@ -277,10 +279,10 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
         er, tr = e2[r0:r1], t2[r0:r1]
         K.chunk_logits(er, c, x, cfg)
         stats = K.rows_stats(x, bias, tr, v_offset, o.softcap, o.smoothing > 0, cfg)
-        lse_r, tgt_r, sumx_r, gathered = _merge(stats, o.group, shapes)
+        (m_r, s_r, tgt_r, d_r), gathered = _merge(stats, v, o, shapes)
         first = gathered if i == 0 else first
-        lse[r0:r1], tgt[r0:r1], sumx[r0:r1] = lse_r, tgt_r, sumx_r
-        coef = _coef(lse_r, g[r0:r1], o, v_global)
+        row_stats[:, r0:r1] = torch.stack([m_r, s_r, tgt_r, d_r])
+        coef = _coef(m_r + torch.log(s_r), g[r0:r1], o, v_global)  # token_loss's lse
         dz = K.rows_dz_inplace(x, bias, tr, v_offset, coef, o.softcap, e2.dtype, cfg)
         if need_de:
             K.gemm_store(de[r0:r1], dz, c, cfg)
@@ -291,7 +293,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
                 K.gemm_acc(dc, dz.t(), er, cfg)
         if need_db:
             db += dz.sum(dim=0, dtype=f32)
-    return lse, tgt, sumx, (de, dc, db), first
+    return row_stats.unbind(0), (de, dc, db), first
 
 
 def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> bool:

@@ -53,9 +53,10 @@ _plans: dict = {}
 _MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
 
 
-def _check_args(logits, target, label_smoothing, reduction, z_loss):
+def _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index=-100):
     checks.check_float("logits", logits)
     checks.check_target_dtype(target)
+    checks.check_ignore_index(ignore_index)
     checks.check_smoothing(label_smoothing)
     checks.check_reduction(reduction)
     shape = logits.shape
@@ -71,7 +72,7 @@ def _check_args(logits, target, label_smoothing, reduction, z_loss):
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
                inplace_backward) -> _Plan:
     """Check the arguments; returns the plan of their call signature."""
-    _check_args(logits, target, label_smoothing, reduction, z_loss)
+    _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index)
     # equal vocabulary shards are checked on every forward, from the statistics' all-gather
     # (communication.check_shapes)
     opts = loss_options(tp_group, logits.shape[-1], int(ignore_index), float(label_smoothing),
@@ -202,9 +203,13 @@ def _refuse_inplace(logits, plan) -> None:
 def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
          inplace_backward, check_targets) -> torch.Tensor:
     """``functional.cross_entropy`` (see there), arguments checked once per call signature."""
+    if ignore_index.__class__ is not int:  # a float would be truncated, -100.0 hash as -100
+        ignore_index = checks.check_ignore_index(ignore_index)
+    if target.dtype is not torch.int64:
+        target = checks.widened_target(target, ignore_index)
     if compiling():
         # registered torch.library ops: traced by torch.compile, no graph break
-        _check_args(logits, target, label_smoothing, reduction, z_loss)
+        _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index)
         if check_targets is None:  # the switch is read when the call is traced
             check_targets = settings.flag(settings.CHECK_TARGETS, False)
         return compiled_ops.cross_entropy_ops(logits, target, tp_group, int(ignore_index),

@@ -13,6 +13,7 @@ import torch
 
 from .. import communication
 from ..backends import logits_backend
+from ..formulas import compute_dtype
 from ..layout import like_rows
 from ..options import LossOptions
 
@@ -30,16 +31,17 @@ def forward_impl(view, t, group, opts, memo=None):
     """Per-token fp32 loss and lse of flat targets ``t`` from the ``RowView`` of the logits."""
     logits = view.tensor
     n, device = t.numel(), logits.device
-    loss = torch.empty(n, dtype=torch.float32, device=device)
+    dtype = compute_dtype(logits.dtype)  # fp32, or fp64 for float64 logits
+    loss = torch.empty(n, dtype=dtype, device=device)
     if opts.vocab_size == logits.shape[-1]:  # one shard holds the whole vocabulary
-        lse = torch.empty(n, dtype=torch.float32, device=device)
+        lse = torch.empty(n, dtype=dtype, device=device)
         if n > 0:
             logits_backend(logits).forward(view, t, opts, None, loss, lse, memo)
         return loss, lse
     # the stats (with this shard's width after them, written by the forward) and the lse in one
     # allocation: the lse is saved, the stats are gathered
     size = communication.stats_size(4, n)
-    buf = torch.empty(size + n, dtype=torch.float32, device=device)
+    buf = torch.empty(size + n, dtype=dtype, device=device)
     send, lse = buf[:size], buf[size:]
     if n > 0:
         backend = logits_backend(logits)

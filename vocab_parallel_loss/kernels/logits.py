@@ -64,12 +64,29 @@ def _load_masked(ptrs, mask, HINT: tl.constexpr):
 
 @triton.jit
 def _stats_step(x, m, s):
-    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials."""
+    """Fold one ``[BLOCK // VEC, VEC]`` tile into the running max and sum of exponentials; also
+    returns ``x - max`` (the new running max of each tile row, 0 while it is -inf) and that max."""
     m_new = tl.maximum(m, tl.max(x, 1))
     # a tile row of only -inf keeps m_new = -inf: shift by 0 to avoid (-inf) - (-inf)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2((x - m_safe[:, None]) * 1.4426950408889634)
-    return m_new, s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1)
+    diff = x - m_safe[:, None]
+    p = tl.exp2(diff * 1.4426950408889634)
+    return m_new, s * tl.exp2((m - m_safe) * 1.4426950408889634) + tl.sum(p, 1), diff, m_safe
+
+
+@triton.jit
+def _moved(m_old, m_safe, count):
+    """What ``count`` earlier terms ``x - m_old`` of a tile row gain when its max becomes
+    ``m_safe``: ``count (m_old - m_safe)``, <= 0 (-inf when they were all -inf), 0 for none."""
+    return tl.where(count > 0, m_old - m_safe, 0.0) * count
+
+
+@triton.jit
+def _tile_row_columns(V_local, BLOCK: tl.constexpr, VEC: tl.constexpr):
+    """How many of the row's columns each tile row of a ``[BLOCK // VEC, VEC]`` tile reads over
+    the whole row (the last block is cut at ``V_local``)."""
+    rest = V_local % BLOCK - tl.arange(0, BLOCK // VEC) * VEC
+    return ((V_local // BLOCK) * VEC + tl.minimum(tl.maximum(rest, 0), VEC)).to(tl.float32)
 
 
 @triton.jit
@@ -77,33 +94,40 @@ def _row_stats_split(x_row, V_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.cons
                      VEC: tl.constexpr, HINT: tl.constexpr):
     """The loop of ``_row_stats`` over whole blocks without a mask, then the masked tail: fewer
     instructions per element, faster in the statistics pass (the fused kernel, whose rows up to
-    64 KB are one or two blocks, is faster without it). The sum of logits is kept per element
-    and reduced once, at the end: a per-block reduction of the loaded tile crashed Triton 3.6's
-    thread-locality pass for fp32."""
+    64 KB are one or two blocks, is faster without it). Label smoothing's ``sum (x - max)`` is
+    kept per element (each element's ``x - max`` is the exponential's argument already) and
+    reduced once, at the end, plus a per-tile-row term for the moves of the running max: a
+    per-block reduction of the loaded tile crashed Triton 3.6's thread-locality pass for fp32.
+    Returns per tile row the max, the sum of exponentials and that sum of differences."""
     offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
     m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK // VEC], tl.float32)
-    sum_x = tl.zeros([BLOCK // VEC, VEC], tl.float32)
+    d = tl.zeros([BLOCK // VEC, VEC], tl.float32)
+    moved = tl.zeros([BLOCK // VEC], tl.float32)
     n_full = V_local // BLOCK
     for b in range(0, n_full):
         x = tl.load(x_row + b * BLOCK + offs, eviction_policy=HINT).to(tl.float32)
-        m, s = _stats_step(x, m, s)
+        m_old = m
+        m, s, diff, m_safe = _stats_step(x, m, s)
         if HAS_SMOOTHING:
-            sum_x += x
+            d += diff
+            moved += _moved(m_old, m_safe, b * VEC)
     if n_full * BLOCK < V_local:
         idx = n_full * BLOCK + offs
         mask = idx < V_local
         x = _load_masked(x_row + idx, mask, HINT)
-        m, s = _stats_step(x, m, s)
+        m_old = m
+        m, s, diff, m_safe = _stats_step(x, m, s)
         if HAS_SMOOTHING:
-            sum_x += tl.where(mask, x, 0.0)
-    return m, s, tl.sum(sum_x, 1)
+            d += tl.where(mask, diff, 0.0)
+            moved += _moved(m_old, m_safe, n_full * VEC)
+    return m, s, tl.sum(d, 1) + moved
 
 
 @triton.jit
 def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr,
                VEC: tl.constexpr, HINT: tl.constexpr, SPLIT: tl.constexpr):
-    """One pass over a row: (max, sum exp(x - max), target logit or 0, sum of logits or 0).
+    """One pass over a row: (max, sum exp(x - max), target logit or 0, sum (x - max) or 0).
 
     A block of the row is read as a ``[BLOCK // VEC, VEC]`` tile whose ``VEC`` contiguous
     elements (16 bytes) sit in one thread, so the running max and sum are kept per tile row and
@@ -113,43 +137,54 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
     fused kernel, which reads the row twice, keeps it with ``evict_last``). ``SPLIT`` reads whole
     blocks without a mask and then the tail (``_row_stats_split``): on in the statistics pass,
     off in the fused kernel.
+
+    Label smoothing's sum is taken relative to the running max of each tile row, moved along
+    with it (``formulas.py``): every term is <= 0, so it overflows only where the smoothed loss
+    does, and the differences are exact for logits near a common offset.
     """
     # the target logit first: its latency then overlaps the streaming loop instead of
     # trailing it (worth several % on short TP shards)
     x_t = _target_logit(x_row, t_local, V_local)
     if SPLIT:
-        m, s, sum_x = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, HINT)
+        m, s, d = _row_stats_split(x_row, V_local, HAS_SMOOTHING, BLOCK, VEC, HINT)
     else:
         offs = tl.arange(0, BLOCK // VEC)[:, None] * VEC + tl.arange(0, VEC)[None, :]
         m = tl.full([BLOCK // VEC], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK // VEC], tl.float32)
-        sum_x = tl.zeros([BLOCK // VEC], tl.float32)
+        d = tl.zeros([BLOCK // VEC], tl.float32)
         for start in range(0, V_local, BLOCK):
             idx = start + offs
             mask = idx < V_local
             x = _load_masked(x_row + idx, mask, HINT)
-            m, s = _stats_step(x, m, s)
-            if HAS_SMOOTHING:
-                sum_x += tl.sum(tl.where(mask, x, 0.0), 1)
+            m_old = m
+            m, s, diff, m_safe = _stats_step(x, m, s)
+            if HAS_SMOOTHING:  # every block before this one was whole: start // BLOCK * VEC
+                d += tl.sum(tl.where(mask, diff, 0.0), 1) + _moved(m_old, m_safe,
+                                                                    start // BLOCK * VEC)
     m_row = tl.max(m, 0)
     m_row_safe = tl.where(m_row == float("-inf"), 0.0, m_row)
     s_row = tl.sum(s * tl.exp2((m - m_row_safe) * 1.4426950408889634), 0)
     # NaN anywhere in the row: tl.max may drop it, the sum does not; make the max agree
     m_row = tl.where(s_row != s_row, s_row, m_row)
-    if HAS_SMOOTHING:
-        sx = tl.sum(sum_x, 0)
+    if HAS_SMOOTHING:  # the tile rows' sums moved to the row's max
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        sx = tl.sum(d + _moved(m_safe, m_row_safe, _tile_row_columns(V_local, BLOCK, VEC)), 0)
     else:
         sx = 0.0
     return m_row, s_row, x_t, sx
 
 
 @triton.jit
-def _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing, z_loss,
+def _loss_from_stats(t, m, s, x_t, d, V_global, ignore_index, smoothing, z_loss,
                      HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr):
-    """Per-token loss and the lse saved for backward (NaN for an out-of-range target)."""
-    loss = lse - x_t
+    """Per-token loss and the lse saved for backward (NaN for an out-of-range target) from the
+    row's max ``m``, ``s = sum exp(x - m)``, target logit and ``d = sum (x - m)``; the large
+    terms cancel first, as in ``formulas.token_loss``."""
+    log_s = tl.log2(s) * 0.6931471805599453
+    lse = m + log_s
+    loss = (m - x_t) + log_s
     if HAS_SMOOTHING:
-        loss = (1.0 - smoothing) * loss + smoothing * (lse - sum_x / V_global)
+        loss = (1.0 - smoothing) * loss + smoothing * (log_s - d / V_global)
     if HAS_Z:
         loss += z_loss * lse * lse
     ignored = t == ignore_index
@@ -176,13 +211,12 @@ def _ce_forward_kernel(
                                   True)
     if FINALIZE:
         # one shard holds the whole vocabulary: the loss comes straight out
-        lse = m + tl.log2(s) * 0.6931471805599453
-        loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing,
+        loss, lse = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index, smoothing,
                                      z_loss, HAS_SMOOTHING, HAS_Z)
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
     else:
-        # stats layout (4, N): max, sum-exp, target logit, sum of logits; then this shard's
+        # stats layout (4, N): max, sum-exp, target logit, sum (x - max); then this shard's
         # width, gathered with them (communication.check_shapes)
         tl.store(stats_ptr + row, m)
         tl.store(stats_ptr + N + row, s)
@@ -213,15 +247,19 @@ def _ce_merge_kernel(
     m_r = tl.load(base, mask=mask, other=float("-inf"))
     s_r = tl.load(base + N, mask=mask, other=0.0)
     x_t = tl.sum(tl.load(base + 2 * N, mask=mask, other=0.0), 0)
-    sum_x = tl.sum(tl.load(base + 3 * N, mask=mask, other=0.0), 0)
     m = tl.max(m_r, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     s = tl.sum(s_r * tl.exp2((m_r - m_safe[None, :]) * 1.4426950408889634), 0)
+    if HAS_SMOOTHING:  # each rank's sum (x - m_r) moved to the global max
+        d_r = tl.load(base + 3 * N, mask=mask, other=0.0)
+        v_part = (V_global // WORLD).to(tl.float32)
+        d = tl.sum(tl.where(mask, d_r + v_part * (m_r - m_safe[None, :]), 0.0), 0)
+    else:
+        d = 0.0
     m = tl.where(s != s, s, m)
-    lse = m + tl.log2(s) * 0.6931471805599453
-    lse = tl.where(unequal, float("nan"), lse)
+    m = tl.where(unequal, float("nan"), m)
     t = tl.load(tgt_ptr + rows.to(tl.int64) * tgt_stride, mask=row_ok, other=0).to(tl.int64)
-    loss, lse = _loss_from_stats(t, lse, x_t, sum_x, V_global, ignore_index, smoothing, z_loss,
+    loss, lse = _loss_from_stats(t, m, s, x_t, d, V_global, ignore_index, smoothing, z_loss,
                                  HAS_SMOOTHING, HAS_Z)
     tl.store(loss_ptr + rows, loss, mask=row_ok)
     tl.store(lse_ptr + rows, lse, mask=row_ok)
@@ -279,7 +317,7 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 
 @triton.jit
 def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
-                   HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr,
+                   ref, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr,
                    STORE_HINT: tl.constexpr):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
     two passes of arithmetic per 4 B of traffic and was instruction-bound with the plain loop.
@@ -291,10 +329,10 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
     instruction-bound, and this loop was slower there.)
 
     The reads are ``evict_first`` (the row is not read again); ``STORE_HINT``: the L2 eviction
-    policy of the gradient's stores (``fused_config``). ``SUM_X``: also returns the sum of the
-    row's logits (label smoothing's loss needs it), one add per element into a per-lane
-    accumulator: the unmasked blocks need no select, and the masked tail reads 0 past the row's
-    end; an ignored row returns 0."""
+    policy of the gradient's stores (``fused_config``). ``SUM_X``: also returns
+    ``sum (x - ref)`` over the row (label smoothing's loss needs it, ``ref`` the row's max:
+    ``formulas.py``), a subtract and an add per element into a per-lane accumulator, with no
+    select; an ignored row returns 0."""
     lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
@@ -304,13 +342,15 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         if tail < V_local:
             idx = tail + cols
             mask = idx < V_local
-            x = tl.load(x_row + idx, mask=mask, other=0.0,
+            # past the row's end: ref itself (a logit of the row, so exact in its dtype), which
+            # adds 0 to the sum (a select here cost 48 registers more: ptxas 13.4, sm_90a)
+            x = tl.load(x_row + idx, mask=mask, other=ref if SUM_X else 0.0,
                         eviction_policy="evict_first").to(tl.float32)
             dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
-                acc += x
+                acc += x - ref
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), mask=mask,
                      eviction_policy=STORE_HINT)
         for i in range(0, n_full):
@@ -320,7 +360,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
-                acc += x
+                acc += x - ref
             tl.store(dx_row + idx, dx.to(dx_row.dtype.element_ty), eviction_policy=STORE_HINT)
         in_shard = (t_local >= 0) & (t_local < V_local)
         tl.debug_barrier()  # every thread's store of the target column is behind this one
@@ -458,15 +498,13 @@ def _ce_forward_grad_kernel(
         if SUM_IN_GRAD:  # the lse now (NaN for an out-of-range target), the loss after pass 2
             m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, "evict_last",
                                       False)
-            lse_raw = m + tl.log2(s) * 0.6931471805599453
-            _, lse = _loss_from_stats(t, lse_raw, x_t, 0.0, V_global, ignore_index, smoothing,
+            _, lse = _loss_from_stats(t, m, s, x_t, 0.0, V_global, ignore_index, smoothing,
                                       z_loss, False, HAS_Z)
         else:
             m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
                                           "evict_last", False)
-            loss, lse = _loss_from_stats(t, m + tl.log2(s) * 0.6931471805599453, x_t, sum_x,
-                                         V_global, ignore_index, smoothing, z_loss,
-                                         HAS_SMOOTHING, HAS_Z)
+            loss, lse = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index, smoothing,
+                                         z_loss, HAS_SMOOTHING, HAS_Z)
             tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)
         g = 1.0
@@ -479,10 +517,11 @@ def _ce_forward_grad_kernel(
         coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
                                                  HAS_Z)
         sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
-                               x_t, lse, coef, target_coef, uniform, valid, HAS_SMOOTHING,
-                               GRAD_BLOCK, SUM_IN_GRAD and HAS_SMOOTHING, STORE_HINT)
+                               x_t, lse, coef, target_coef, uniform, valid,
+                               tl.where(m == float("-inf"), 0.0, m), HAS_SMOOTHING, GRAD_BLOCK,
+                               SUM_IN_GRAD and HAS_SMOOTHING, STORE_HINT)
         if SUM_IN_GRAD:
-            loss, _ = _loss_from_stats(t, lse_raw, x_t, sum_x, V_global, ignore_index, smoothing,
+            loss, _ = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index, smoothing,
                                        z_loss, HAS_SMOOTHING, HAS_Z)
             tl.store(loss_ptr + row, loss)
 

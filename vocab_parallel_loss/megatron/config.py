@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from typing import Any, Callable, Dict, Optional
 
+from .. import checks
+
 
 @dataclasses.dataclass
 class VocabParallelLossConfig:
@@ -35,10 +37,10 @@ class VocabParallelLossConfig:
     ignore_index: int = -100
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.label_smoothing < 1.0:
-            raise ValueError(f"label_smoothing must be in [0, 1), got {self.label_smoothing}")
-        if self.z_loss < 0.0:
-            raise ValueError(f"z_loss must be >= 0, got {self.z_loss}")
+        # the loss's own checks: the config accepts exactly what the loss accepts
+        checks.check_smoothing(self.label_smoothing)
+        checks.check_z_loss(self.z_loss)
+        self.ignore_index = checks.check_ignore_index(self.ignore_index)
 
     @classmethod
     def from_args(cls, args: Any) -> "VocabParallelLossConfig":

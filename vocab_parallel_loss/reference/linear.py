@@ -1,4 +1,5 @@
-"""Pure-PyTorch backend of the fused linear cross entropy: chunked over row blocks, fp32.
+"""Pure-PyTorch backend of the fused linear cross entropy: chunked over row blocks, fp32 (fp64
+for float64 inputs).
 
 Same contract as the Triton backend (``kernels.linear.forward_stats`` / ``backward``); the
 fallback without Triton or a GPU, and the backend for float64 inputs.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..formulas import compute_dtype
+
 #: Bytes of fp32 logits the ``"torch"`` implementation keeps alive at once (one row chunk).
 TORCH_CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -15,8 +18,9 @@ TORCH_CHUNK_BYTES = 64 * 1024 * 1024
 class TorchBackend:
     """Same contract as ``kernels.linear.forward_stats`` / ``backward``.
 
-    Works on any device; computes in fp32 (a copy of ``c`` in fp32 when it is not already) and
-    keeps at most one ``(rows, V_local)`` fp32 chunk of logits alive. ``dC`` accumulates in an
+    Works on any device; computes in fp32, or fp64 for float64 inputs (a copy of ``c`` in that
+    dtype when it is not already), and keeps at most one ``(rows, V_local)`` chunk of logits
+    alive. ``dC`` accumulates in an
     fp32 ``(V_local, H)`` buffer (this fallback trades memory for simplicity; the Triton path
     does not need that buffer).
     """
@@ -27,7 +31,7 @@ class TorchBackend:
 
     @staticmethod
     def _logits(e_chunk, c32, b32, softcap):
-        z = e_chunk.float() @ c32.t()
+        z = e_chunk.to(c32.dtype) @ c32.t()
         if b32 is not None:
             z = z + b32
         if softcap:
@@ -44,9 +48,10 @@ class TorchBackend:
     @classmethod
     def forward_stats(cls, e, c, bias, targets, v_offset, softcap, need_sumx):
         n, v = e.shape[0], c.shape[0]
-        stats = torch.empty((4, n), dtype=torch.float32, device=e.device)
-        c32 = c.float()
-        b32 = bias.float() if bias is not None else None
+        acc = compute_dtype(e.dtype)
+        stats = torch.empty((4, n), dtype=acc, device=e.device)
+        c32 = c.to(acc)
+        b32 = bias.to(acc) if bias is not None else None
         step = cls._rows(n, v)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -67,11 +72,12 @@ class TorchBackend:
         n, h = e.shape
         v = c.shape[0]
         dev = e.device
-        c32 = c.float()
-        b32 = bias.float() if bias is not None else None
-        de = torch.zeros((n, h), dtype=torch.float32, device=dev) if need_de else None
-        dc32 = torch.zeros((v, h), dtype=torch.float32, device=dev) if need_dc else None
-        db = torch.zeros((v,), dtype=torch.float32, device=dev) if need_dbias else None
+        acc = compute_dtype(e.dtype)
+        c32 = c.to(acc)
+        b32 = bias.to(acc) if bias is not None else None
+        de = torch.zeros((n, h), dtype=acc, device=dev) if need_de else None
+        dc32 = torch.zeros((v, h), dtype=acc, device=dev) if need_dc else None
+        db = torch.zeros((v,), dtype=acc, device=dev) if need_dbias else None
         step = cls._rows(n, v)
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -87,7 +93,7 @@ class TorchBackend:
             if need_de:
                 de[r0:r1] = dx @ c32
             if need_dc:
-                dc32.addmm_(dx.t(), e[r0:r1].float())
+                dc32.addmm_(dx.t(), e[r0:r1].to(acc))
             if need_dbias:
                 db += dx.sum(dim=0)
             del dx

@@ -5,14 +5,15 @@ functions mirror ``forward``, ``merge``, ``reduce`` and ``backward`` of ``kernel
 (same arguments, same outputs), so the autograd layer does not care which one runs; the fused
 path of reduced losses (``forward_grad``) is the Triton backend's only, an optimisation of the
 same result. Rows are processed in chunks so that at most ``_CHUNK_ELEMENTS`` fp32 logits exist
-at a time.
+at a time. Float64 logits run here whatever the device (``backends.logits_backend``), computed in
+float64.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..formulas import merge_stats, token_loss
+from ..formulas import compute_dtype, merge_stats, token_loss
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -37,24 +38,26 @@ def _blocks(view):
             yield lo * d1, hi * d1, x3[lo:hi]
 
 
-def _loss_and_lse(t, lse, x_t, sum_x, opts):
+def _loss_and_lse(t, m, s, x_t, d, opts):
     _, vocab_size, ignore_index, smoothing, z_loss = opts
-    loss, _, bad = token_loss(t, lse, x_t, sum_x, vocab_size, ignore_index, smoothing, z_loss)
+    loss, lse, _, bad = token_loss(t, m, s, x_t, d, vocab_size, ignore_index, smoothing, z_loss)
     return loss, torch.where(bad, torch.full_like(lse, float("nan")), lse)
 
 
 def _local_stats(rows, t, vocab_start, smoothing):
-    x = rows.float()
+    x = rows.to(compute_dtype(rows.dtype))
     m = x.amax(dim=-1)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    s = torch.exp(x - m_safe[:, None]).sum(dim=-1)
+    diff = x - m_safe[:, None]
+    s = torch.exp(diff).sum(dim=-1)
     m = torch.where(torch.isnan(s), s, m)
     t_local = t - vocab_start
     in_shard = (t_local >= 0) & (t_local < x.shape[-1])
     idx = torch.where(in_shard, t_local, torch.zeros_like(t_local))
     x_t = torch.where(in_shard, x.gather(1, idx[:, None])[:, 0], torch.zeros_like(m))
-    sum_x = x.sum(dim=-1) if smoothing > 0 else torch.zeros_like(m)
-    return m, s, x_t, sum_x
+    # sum (x - m): the formulas' form (no overflow, exact differences)
+    d = diff.sum(dim=-1) if smoothing > 0 else torch.zeros_like(m)
+    return m, s, x_t, d
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
@@ -67,22 +70,23 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
         stats = stats[:4 * n].view(4, n)
     for lo, hi, block in _blocks(view):
         rows = block.reshape(-1, block.shape[-1])
-        m, s, x_t, sum_x = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
+        m, s, x_t, d = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
         if stats is None:
-            l, e = _loss_and_lse(t[lo:hi], m + torch.log(s), x_t, sum_x, opts)
+            l, e = _loss_and_lse(t[lo:hi], m, s, x_t, d, opts)
             loss[lo:hi], lse[lo:hi] = l, e
         else:
-            stats[:, lo:hi] = torch.stack([m, s, x_t, sum_x])
+            stats[:, lo:hi] = torch.stack([m, s, x_t, d])
 
 
 def merge(gathered, target, loss, lse, opts):
     """Same contract as ``kernels.logits.merge``: ``gathered`` holds every rank's flat send
     buffer; shards of unequal width give NaN."""
     world, n = gathered.shape[0], target.numel()
-    lse_all, x_t, sum_x = merge_stats(gathered[:, :4 * n].view(world, 4, n))
-    unequal = (gathered[:, 4 * n] != opts.vocab_size // world).any()
-    lse_all = torch.where(unequal, torch.full_like(lse_all, float("nan")), lse_all)
-    l, e = _loss_and_lse(target.long(), lse_all, x_t, sum_x, opts)
+    v_part = opts.vocab_size // world
+    m, s, x_t, d = merge_stats(gathered[:, :4 * n].view(world, 4, n), v_part)
+    unequal = (gathered[:, 4 * n] != v_part).any()
+    m = torch.where(unequal, torch.full_like(m, float("nan")), m)
+    l, e = _loss_and_lse(target.long(), m, s, x_t, d, opts)
     loss.copy_(l)
     lse.copy_(e)
 
@@ -100,9 +104,10 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None):
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     n, v = target.numel(), view.vocab
     t = target.long()
-    g = dloss.float().expand(n) if dloss.dim() == 0 else dloss.float()
+    acc = lse.dtype  # fp32, or fp64 for float64 logits
+    g = dloss.to(acc).expand(n) if dloss.dim() == 0 else dloss.to(acc)
     if count is not None:
-        g = g / count.clamp(min=1).float()
+        g = g / count.clamp(min=1).to(acc)
     valid = t != ignore_index
     g = torch.where(valid, g, torch.zeros_like(g))
     lse = torch.where(valid, lse, torch.zeros_like(lse))
@@ -110,7 +115,7 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None):
     dblocks = _blocks(dview)
     for lo, hi, block in _blocks(view):
         dblock = next(dblocks)[2]
-        x = block.reshape(-1, v).float()
+        x = block.reshape(-1, v).to(acc)
         gc, lc = g[lo:hi, None], lse[lo:hi, None]
         coef = gc * (1.0 + 2.0 * z_loss * lc) if z_loss != 0 else gc
         dx = coef * torch.exp(x - lc)
