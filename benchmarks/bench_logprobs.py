@@ -94,16 +94,24 @@ def load_verl(verl_dir):
 
 
 def load_liger():
+    """Liger's fused linear scaled cross entropy: its Hopper CuTe kernel where the CUTLASS DSL
+    imports, else its own chunked PyTorch fallback (what Liger itself runs then)."""
     from liger_kernel.ops import fused_linear_scaled_cross_entropy as lsce
 
-    impl = lsce._resolve_implementation(torch.device("cuda"))
-    label = "liger" if impl is not lsce._FusedLinearPPOFallbackFunction else "liger (fallback)"
+    try:
+        impl = lsce._resolve_implementation(torch.device("cuda"))
+    except ImportError:
+        impl = lsce._FusedLinearPPOFallbackFunction
+    if impl is lsce._FusedLinearPPOFallbackFunction:
+        def liger(h, w, t):
+            nll, ent = impl.apply(h, w, t, TEMPERATURE, -100, True)
+            return -nll, ent
+        return "liger (its PyTorch fallback: no CUTLASS DSL)", liger
 
     def liger(h, w, t):
-        nll, ent = lsce.LigerFusedLinearScaledCrossEntropyFunction.apply(
-            h, w, t, TEMPERATURE, -100, 1, True)
+        nll, ent = impl.apply(h, w, t, TEMPERATURE, -100, 1, True)
         return -nll, ent
-    return label, liger
+    return "liger", liger
 
 
 # ----------------------------------------------------------------------------------- measure

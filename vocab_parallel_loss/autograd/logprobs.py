@@ -22,8 +22,9 @@ from .. import communication
 from ..formulas import logprob_and_entropy, merge_logprob_stats
 from ..layout import RowView, like_rows, row_view
 
-#: Bytes of one fp32 column chunk of logits in the hidden-state path.
-CHUNK_BYTES = 256 * 1024 * 1024
+#: Bytes of one fp32 column chunk of logits in the hidden-state path (its dz in the input dtype
+#: is half of it again): 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
+CHUNK_BYTES = 128 * 1024 * 1024
 
 
 class TokenLogprobs(NamedTuple):
