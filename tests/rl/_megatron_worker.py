@@ -55,8 +55,9 @@ def main():
                             ("dH", mine.grad, h64.grad[rows])):
         err = (got.double() - want).abs().max().item()
         assert err < 1e-4 * max(1.0, want.abs().max().item()), (name, err)
+    dist.barrier()
     if rank == 0:
-        print("output_processor ok")
+        print("output_processor ok", flush=True)
     dist.destroy_process_group()
 
 

@@ -106,8 +106,9 @@ def main():
         for sp in (False, True):
             case_hidden(sp)
             n += 1
+    dist.barrier()  # no rank tears gloo down while another still sends
     if dist.get_rank() == 0:
-        print(f"{n} log-prob cases passed on {dist.get_world_size()} ranks")
+        print(f"{n} log-prob cases passed on {dist.get_world_size()} ranks", flush=True)
     dist.destroy_process_group()
 
 
