@@ -216,8 +216,10 @@ def main() -> None:
     if world > 1:  # one rank has nothing to compare its shard with
         check_unequal_shards(group)
         n += 1
+    dist.barrier()  # no rank tears gloo down while another still sends
     if dist.get_rank() == 0:
-        print(f"tp_worker: {n} cases passed on {world} ranks ({DEVICE.type}, {dist.get_backend()})")
+        print(f"tp_worker: {n} cases passed on {world} ranks ({DEVICE.type}, {dist.get_backend()})",
+              flush=True)
     dist.destroy_process_group()
 
 
