@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
@@ -20,20 +19,6 @@ ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
 
 TOL = {torch.float32: (2e-5, 2e-6), torch.bfloat16: (1e-4, 8e-3), torch.float16: (1e-4, 1e-3),
        torch.float64: (1e-12, 1e-13)}  # float64: computed in float64
-
-
-@pytest.fixture(params=["triton", "torch"])
-def impl(request, monkeypatch):
-    if request.param == "triton":
-        if backends.triton_logits is None:
-            pytest.skip("triton not importable")
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
-        monkeypatch.setattr(backends, "triton_runs", lambda t: True)
-    else:
-        monkeypatch.setattr(backends, "triton_runs", lambda t: False)
-    monkeypatch.setattr(ce_mod, "_plans", {})  # a plan records the backend's fused path
-    return request.param
 
 
 def make_logits(shape, dtype, layout, seed=0, scale=3.0):

@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-from vocab_parallel_loss import backends, parallel_cross_entropy, vocab_parallel_cross_entropy
+from vocab_parallel_loss import parallel_cross_entropy, vocab_parallel_cross_entropy
 from tests._oracle import full_vocab_loss_and_grad
 
 ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
@@ -95,18 +95,6 @@ def test_the_signature_check_can_fail():
         assert_accepts_signature(narrower, megatron_main)
     with pytest.raises(AssertionError):  # a parameter missing
         assert_accepts_signature(narrower, te_overwrite_input)
-
-
-@pytest.fixture(params=["triton", "torch"])
-def impl(request, monkeypatch):
-    if request.param == "triton":
-        if backends.triton_logits is None:
-            pytest.skip("triton not importable")
-        monkeypatch.setattr(backends, "triton_runs", lambda t: True)
-    else:
-        monkeypatch.setattr(backends, "triton_runs", lambda t: False)
-    monkeypatch.setattr(ce_mod, "_plans", {})  # a plan records the backend's fused path
-    return request.param
 
 
 def _inputs(dtype=torch.float32, transposed=False):

@@ -28,18 +28,6 @@ def VocabParallelLossConfig(**kw):  # noqa: N802 - megatron-core is an optional 
     return pytest.importorskip("vocab_parallel_loss.megatron.config").VocabParallelLossConfig(**kw)
 
 
-@pytest.fixture(params=["triton", "torch"])
-def impl(request, monkeypatch):
-    if request.param == "triton":
-        if backends.triton_logits is None:
-            pytest.skip("triton not importable")
-        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("Triton kernels on CPU need TRITON_INTERPRET=1")
-    monkeypatch.setattr(backends, "triton_runs", lambda t: request.param == "triton")
-    monkeypatch.setattr(ce_mod, "_plans", {})
-    return request.param
-
-
 # ----------------------------------------------------------------------- integer target dtypes
 def _dtype(name):
     return getattr(torch, name, None)

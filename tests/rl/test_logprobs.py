@@ -5,20 +5,8 @@ import pytest
 import torch
 
 from tests.rl._oracle import oracle
-from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
-from vocab_parallel_loss.settings import interpreting
+from vocab_parallel_loss import linear_token_logprobs, token_logprobs
 from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_entropy
-
-
-@pytest.fixture(params=["triton", "torch"])
-def impl(request, monkeypatch):
-    if request.param == "triton":
-        if backends.triton_logprobs is None or not (torch.cuda.is_available() or interpreting()):
-            pytest.skip("the Triton kernels run on CUDA or under TRITON_INTERPRET=1")
-        monkeypatch.setattr(backends, "triton_runs", lambda t: True)
-    else:
-        monkeypatch.setattr(backends, "triton_runs", lambda t: False)
-    return request.param
 
 
 def _grads(outputs, inputs, g_lp, g_ent):

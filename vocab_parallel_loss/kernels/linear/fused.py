@@ -317,7 +317,7 @@ def _forward_splits(num_rb: int, num_vt: int, sms: int) -> int:
     multiprocessor. Within 4x that, the count with the shortest estimated run: waves times
     tiles per program, plus half a tile per program for its pipeline fill and epilogue. The
     programs are of equal length, so a last wave that is mostly idle costs a whole program:
-    at 128 row blocks, 63 tiles and 132 multiprocessors, 5 splits run 5 waves of 13 tiles and 7
+    at 128 row blocks, 63 tiles and 132 multiprocessors, 5 splits take 5 waves of 13 tiles and 7
     splits 7 waves of 9 (65 against 63 tile times).
     """
     lo = min(num_vt, max(1, triton.cdiv(sms, 32), triton.cdiv(sms, num_rb)))
