@@ -45,3 +45,18 @@ def triton_runs_here() -> bool:
     import torch
 
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "1") == "1"
+
+
+def end_worker() -> None:
+    """The last call of a torchrun worker that passed: tear the process group down and leave
+    without interpreter finalization. With gloo, a worker thread can still hold a tensor while
+    the interpreter finalizes; releasing it then needs the GIL and aborts the process ("terminate
+    called without an active exception"), after every check has passed."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+

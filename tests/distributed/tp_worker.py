@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import init_worker_process_group
+from tests._torchrun import end_worker, init_worker_process_group
 
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
 from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, parallel_cross_entropy,
@@ -220,7 +220,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"tp_worker: {n} cases passed on {world} ranks ({DEVICE.type}, {dist.get_backend()})",
               flush=True)
-    dist.destroy_process_group()
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 
 if __name__ == "__main__":

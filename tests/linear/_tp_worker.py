@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import init_worker_process_group
+from tests._torchrun import end_worker, init_worker_process_group
 
 from tests.linear._lce_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
@@ -138,7 +138,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         print(f"{n} linear cases passed on {dist.get_world_size()} ranks "
               f"({DEVICE.type}, {dist.get_backend()})", flush=True)
-    dist.destroy_process_group()
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
     return 0
 
 

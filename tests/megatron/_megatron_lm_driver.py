@@ -30,6 +30,7 @@ import contextlib
 import datetime
 import inspect
 import json
+import os
 import runpy
 import sys
 import tempfile
@@ -245,6 +246,9 @@ def main():
             merged[name] = bad[0] if bad else gathered[0][name]
         Path(out_path).write_text(json.dumps(merged, indent=1))
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter finalization: see end_worker in tests/_torchrun.py
 
 
 if __name__ == "__main__":

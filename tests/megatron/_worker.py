@@ -657,7 +657,9 @@ def main():
             merged[name] = bad[0] if bad else gathered[0][name]
         Path(out_path).write_text(json.dumps(merged, indent=1))
     ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    from tests._torchrun import end_worker
+
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 
 if __name__ == "__main__":

@@ -58,7 +58,9 @@ def main():
     dist.barrier()
     if rank == 0:
         print("output_processor ok", flush=True)
-    dist.destroy_process_group()
+    from tests._torchrun import end_worker
+
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import init_worker_process_group
+from tests._torchrun import end_worker, init_worker_process_group
 from tests.rl._oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
 
@@ -109,7 +109,7 @@ def main():
     dist.barrier()  # no rank tears gloo down while another still sends
     if dist.get_rank() == 0:
         print(f"{n} log-prob cases passed on {dist.get_world_size()} ranks", flush=True)
-    dist.destroy_process_group()
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 
 if __name__ == "__main__":
