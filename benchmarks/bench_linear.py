@@ -250,7 +250,6 @@ def markdown(rows, notes, meta):
 # the 6NHV path.
 SWEEP = [
     {},
-    dict(bwd_flat=True),
     dict(chunk_bytes=256 << 20),
     dict(grad_in_forward="always"),
 ]
@@ -293,10 +292,8 @@ SWEEP_TMA = [
 # the default against the pointer kernels and its nearest neighbours (run with a long --rep)
 SWEEP_TMA_AB = [
     {},
-    dict(bwd_flat=True),
     dict(fwd_desc=False, bwd_desc=False, fwd_flat=False),
     dict(fwd_stages=4),
-    dict(bwd_flat=True, bwd_stages=4),
     dict(bwd_desc=False),
     dict(fwd_flat=False),
     dict(fwd_stages=4, bwd_stages=4),

@@ -102,7 +102,6 @@ TMA_CONFIGS = {
     "pointers": dict(fwd_desc=False, bwd_desc=False),
     "desc": dict(fwd_desc=True, bwd_desc=True, fwd_flat=False),
     "desc-flat": dict(fwd_desc=True, bwd_desc=True, fwd_flat=True),
-    "desc-flat-both": dict(fwd_desc=True, bwd_desc=True, fwd_flat=True, bwd_flat=True),
     "desc-flat-128x128-4warps": dict(fwd_desc=True, bwd_desc=True, fwd_flat=True,
                                      fwd_block_v=128, fwd_warps=4, bwd_block_v=128,
                                      bwd_warps=4),

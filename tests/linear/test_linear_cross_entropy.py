@@ -204,10 +204,8 @@ def test_impls_agree_and_only_needed_grads(impl):
     dict(fwd_desc=True, bwd_desc=True),
     dict(fwd_desc=True, fwd_flat=True, split=3, fwd_block_v=16),
     dict(fwd_desc=True, bwd_desc=True, split=3, fwd_block_v=16, bwd_block_v=16, chunk_bytes=256),
-    # persistent dlogits programs (2 "multiprocessors" on CPU), each with several tiles
-    dict(bwd_desc=True, bwd_flat=True, bwd_block_v=16, chunk_bytes=37 * 48 * 4),
 ], ids=["one-split-one-chunk", "three-splits-many-chunks", "auto-split", "desc",
-        "desc-flat-three-splits", "desc-three-splits-many-chunks", "desc-flat-dlogits"])
+        "desc-flat-three-splits", "desc-three-splits-many-chunks"])
 def test_triton_tile_configs(cfg, monkeypatch):
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(**cfg))
     # descriptors take 16-bit inputs only (fp32 keeps pointers)

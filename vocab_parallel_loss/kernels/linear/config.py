@@ -35,9 +35,9 @@ class LCEConfig:
     ``row_block`` / ``row_warps``: the memory-bound row kernels of that path.
 
     ``fwd_desc`` / ``bwd_desc``: read E and C through TMA descriptors (Hopper+, 16-bit, aligned
-    rows; the copy engine's zero fill replaces the masks). ``fwd_flat`` / ``bwd_flat`` (with
-    descriptors): one flat loop over (tile, H step), so the next tile's loads overlap a tile's
-    epilogue; ``bwd_flat`` also makes the dlogits programs persistent.
+    rows; the copy engine's zero fill replaces the masks). ``fwd_flat`` (with descriptors): the
+    forward runs one flat loop over (tile, H step), so the next tile's loads overlap a tile's
+    epilogue.
     """
 
     fwd_block_n: int = 128
@@ -69,7 +69,6 @@ class LCEConfig:
     fwd_desc: bool = False
     bwd_desc: bool = False
     fwd_flat: bool = False
-    bwd_flat: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)

@@ -29,7 +29,7 @@ summed over the chunks in fp32 and rounded once by the caller (after the TP all-
 On Hopper (16-bit inputs, 16-byte aligned rows) both kernels can read E and C through TMA
 descriptors, whose zero fill past the ends replaces the masks (``LCEConfig.fwd_desc`` /
 ``bwd_desc``), and run one flat loop over (vocabulary tile, H step) so the next tile's loads
-overlap a tile's epilogue (``fwd_flat`` / ``bwd_flat``).
+overlap a tile's epilogue (``fwd_flat``).
 """
 
 from __future__ import annotations
@@ -244,46 +244,23 @@ def _lce_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-    FLAT: tl.constexpr,
 ):
-    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``.
-
-    COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant).
-    One program per tile, or with ``FLAT`` (``DESC`` only) persistent programs that take tiles
-    ``pid, pid + P, ...`` in one loop over (tile, H step), writing a tile after its last step:
-    the software pipeline then loads the next tile's operands during that epilogue.
-    """
+    """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``, one program
+    per tile. COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc
+    (constant)."""
     num_rb = tl.cdiv(N, BLOCK_N)
     num_cb = tl.cdiv(n_cols, BLOCK_V)
-    if FLAT:
-        pid = tl.program_id(0)
-        nprog = tl.num_programs(0)
-        num_k = tl.cdiv(H, BLOCK_H)
-        my_tiles = tl.cdiv(num_rb * num_cb - pid, nprog)
-        acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-        for it in range(0, my_tiles * num_k):
-            j = it // num_k
-            kk = it - j * num_k
-            rb, cb = _grouped_tile(pid + j * nprog, num_rb, num_cb, GROUP_N)
-            acc = _desc_dot_step(E, C, rb * BLOCK_N, v_start + cb * BLOCK_V, kk * BLOCK_H, acc,
-                                 DOT_PREC, UPCAST)
-            if kk == num_k - 1:
-                _dlogits_tile_out(acc, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols,
-                                  stride_t, stride_dn, stride_db, v_offset, softcap, HAS_BIAS,
-                                  HAS_SOFTCAP, BLOCK_N, BLOCK_V)
-                acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
-    else:
-        rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
-        rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows_ld = tl.where(rows < N, rows, 0)
-        ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)
-        cols_ld = tl.where(ccols < n_cols, v_start + ccols, 0)
-        z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
-                         stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
-                         BLOCK_H, DOT_PREC, UPCAST, DESC)
-        _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
-                          stride_dn, stride_db, v_offset, softcap, HAS_BIAS, HAS_SOFTCAP,
-                          BLOCK_N, BLOCK_V)
+    rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ld = tl.where(rows < N, rows, 0)
+    ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)
+    cols_ld = tl.where(ccols < n_cols, v_start + ccols, 0)
+    z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
+                     stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
+                     BLOCK_H, DOT_PREC, UPCAST, DESC)
+    _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
+                      stride_dn, stride_db, v_offset, softcap, HAS_BIAS, HAS_SOFTCAP,
+                      BLOCK_N, BLOCK_V)
 
 
 def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
@@ -414,13 +391,10 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     dot_prec = dot_precision(e.dtype)
     desc = cfg.bwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
-    flat = desc and cfg.bwd_flat
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
         tiles = num_rb * triton.cdiv(nc, BV)
-        # flat: persistent programs, one per multiprocessor (each holds ~180 KB of shared
-        # memory on sm_90, so a second would not fit anyway)
-        grid = (min(tiles, multiprocessors(dev)) if flat else tiles,)
+        grid = (tiles,)
         _lce_dlogits_kernel[grid](
             ea, ca, bias if bias is not None else e, targets, coef, d,
             db_part if db_part is not None else coef,
@@ -429,7 +403,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             v_offset, float(softcap) if softcap else 1.0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
-            DOT_PREC=dot_prec, UPCAST=upcast(e.dtype), DESC=desc, FLAT=flat,
+            DOT_PREC=dot_prec, UPCAST=upcast(e.dtype), DESC=desc,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **PINNED,
         )
         dz = d[:, :nc]
