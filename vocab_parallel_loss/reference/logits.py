@@ -18,7 +18,7 @@ from ..formulas import compute_dtype, merge_stats, token_loss
 _CHUNK_ELEMENTS = 1 << 24
 
 
-def _blocks(view):
+def row_blocks(view):
     """Yield ``(lo, hi, block)``: rows ``lo:hi`` as a ``(D0', D1', V)`` view of the logits.
 
     Whole ``D0`` slices are taken at a time (or runs of rows when ``D0 == 1``), so every block
@@ -68,7 +68,7 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
     if stats is not None:  # the flat send buffer: (4, N) statistics, then this shard's width
         stats[4 * n] = view.vocab
         stats = stats[:4 * n].view(4, n)
-    for lo, hi, block in _blocks(view):
+    for lo, hi, block in row_blocks(view):
         rows = block.reshape(-1, block.shape[-1])
         m, s, x_t, d = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
         if stats is None:
@@ -112,8 +112,8 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None):
     g = torch.where(valid, g, torch.zeros_like(g))
     lse = torch.where(valid, lse, torch.zeros_like(lse))
     cols = torch.arange(v, device=lse.device)
-    dblocks = _blocks(dview)
-    for lo, hi, block in _blocks(view):
+    dblocks = row_blocks(dview)
+    for lo, hi, block in row_blocks(view):
         dblock = next(dblocks)[2]
         x = block.reshape(-1, v).to(acc)
         gc, lc = g[lo:hi, None], lse[lo:hi, None]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .logits import _blocks
+from .logits import row_blocks
 
 
 def _transform(z, inv_t, scale, softcap):
@@ -24,7 +24,7 @@ def _inv_t_rows(inv_t, lo, hi, dtype):
 
 def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap, out):
     t = target.long()
-    for lo, hi, block in _blocks(view):
+    for lo, hi, block in row_blocks(view):
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         z = block.reshape(-1, block.shape[-1])[:, :valid].to(dtype)
         x, _ = _transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
@@ -46,8 +46,8 @@ def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap
 def backward(view, dview, target, inv_t, lse, ent, g_lp, g_ent, col_start: int, valid: int,
              scale: float, softcap):
     t = target.long()
-    dblocks = _blocks(dview)
-    for lo, hi, block in _blocks(view):
+    dblocks = row_blocks(dview)
+    for lo, hi, block in row_blocks(view):
         dblock = next(dblocks)[2]
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         z = block.reshape(-1, block.shape[-1]).to(dtype)
