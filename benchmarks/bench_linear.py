@@ -2,6 +2,7 @@
 
     python benchmarks/bench_linear.py              # the table: N=16384, H=4096, V in {128256, 16032}
     python benchmarks/bench_linear.py --sweep      # tile sweep of ours first, then the table with the best
+    python benchmarks/bench_linear.py --phases --sweep-vocab 16032 128256  # time per step first
     python benchmarks/bench_linear.py --config '{"fwd_block_v": 128}' --impls ours
     TRITON_INTERPRET=1 python benchmarks/bench_linear.py --smoke-cpu --n 64 --hidden 32 --vocab 301
 
@@ -49,19 +50,22 @@ def _bench(fn, warmup, rep):
 # ----------------------------------------------------------------------------------- peers
 
 
-def make_ours(impl="triton"):
+def make_ours(impl="triton", memory_budget=None):
     def fn(e, c, t, red):
-        return linear_cross_entropy(e, c, t, reduction=red, impl=impl), (e, c)
+        return linear_cross_entropy(e, c, t, reduction=red, impl=impl,
+                                    memory_budget=memory_budget), (e, c)
     return fn
 
 
-def make_ours_gif():
-    """Ours with the gradients formed in forward (scalar losses only; 6NHV, more memory)."""
+def make_ours_strategy(strategy):
+    """Ours forced to one strategy (``LCEConfig.strategy``): ``saved`` (6NHV, the logits tiles
+    held until backward), ``grad_in_forward`` (scalar losses; 6NHV, fp32 dC) or ``recompute``
+    (8NHV, memory independent of V)."""
     def fn(e, c, t, red):
-        if red == "none":
+        if strategy == "grad_in_forward" and red == "none":
             raise ValueError("grad_in_forward applies to scalar losses only")
         saved = C.OVERRIDE_CONFIG
-        C.OVERRIDE_CONFIG = C.default_config(e.device).replace(grad_in_forward="always")
+        C.OVERRIDE_CONFIG = C.default_config(e.device).replace(strategy=strategy)
         try:
             return linear_cross_entropy(e, c, t, reduction=red, impl="triton"), (e, c)
         finally:
@@ -132,7 +136,9 @@ def make_quack():
 
 PEERS = {
     "ours": make_ours,
-    "ours_gif": make_ours_gif,
+    "ours_saved": lambda: make_ours_strategy("saved"),
+    "ours_gif": lambda: make_ours_strategy("grad_in_forward"),
+    "ours_recompute": lambda: make_ours_strategy("recompute"),
     "ours_torch_impl": lambda: make_ours("torch"),
     "torch": make_torch,
     "cce": make_cce,
@@ -237,11 +243,54 @@ def markdown(rows, notes, meta):
         lines.append(f"| {r['v']} | {r['reduction']} | {r['impl']} | {r['ms']:.2f} | "
                      f"{r['tflops_6nhv']:.0f} | {r['tflops_8nhv']:.0f} | {r['peak_extra_GiB']:.3f} | "
                      f"{r['peak_extra_minus_grads_GiB']:.3f} | {r['max_loss_err']:.2e} |")
-    lines += ["", "Targets: mean >= 700 TFLOP/s at 6NHV (<= 73.7 ms at V=128256, "
-              "<= 9.2 ms at V=16032); none >= 650 at 8NHV; peak extra <= 0.25 GiB."]
+    lines += ["", "Pareto front (time against peak extra memory less the gradients; every "
+              "point that no other is both faster and leaner than):", ""]
+    for key, front in pareto(rows).items():
+        pts = ", ".join(f"{r['impl']} {r['ms']:.2f} ms / {r['peak_extra_minus_grads_GiB']:.2f} GiB"
+                        for r in front)
+        lines.append(f"- V={key[0]} {key[1]}: {pts}")
     if notes:
         lines += ["", "Notes:"] + [f"- {x}" for x in notes]
     return "\n".join(lines) + "\n"
+
+
+def pareto(rows) -> dict:
+    """``{(V, reduction): rows on the time-memory front, leanest first}``."""
+    out = {}
+    for key in sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1])):
+        front, best = [], None
+        group = [r for r in rows if (r["v"], r["reduction"]) == key]
+        for r in sorted(group, key=lambda r: (r["peak_extra_minus_grads_GiB"], r["ms"])):
+            if best is None or r["ms"] < best:
+                front.append(r)
+                best = r["ms"]
+        out[key] = front
+    return out
+
+
+def plot(report, path) -> None:
+    """Time against memory, one panel per vocabulary and reduction."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["rows"]
+    keys = sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1]))
+    if not keys:
+        return
+    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        for r in (r for r in rows if (r["v"], r["reduction"]) == key):
+            ours = r["impl"].startswith("ours")
+            ax.scatter(r["peak_extra_minus_grads_GiB"], r["ms"], marker="o" if ours else "s",
+                       color="C0" if ours else "C1")
+            ax.annotate(r["impl"], (r["peak_extra_minus_grads_GiB"], r["ms"]), fontsize=7)
+        ax.set_xscale("symlog", linthresh=0.1)
+        ax.set_title(f"V={key[0]}, {key[1]}")
+        ax.set_xlabel("peak extra memory less gradients (GiB)")
+        ax.set_ylabel("fwd+bwd ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 # ----------------------------------------------------------------------------------- sweep
@@ -251,7 +300,7 @@ def markdown(rows, notes, meta):
 SWEEP = [
     {},
     dict(chunk_bytes=256 << 20),
-    dict(grad_in_forward="always"),
+    dict(strategy="grad_in_forward"),
 ]
 SWEEP_TILES = [
     {},
@@ -265,10 +314,10 @@ SWEEP_TILES = [
     dict(split=8),
     dict(split=16, fwd_group_n=8),
     dict(fwd_group_n=8, bwd_group_n=16),
-    dict(grad_in_forward="always"),
-    dict(grad_in_forward="always", gif_rows=8192),
-    dict(grad_in_forward="always", gif_rows=2048),
-    dict(grad_in_forward="always", row_block=4096, row_warps=16),
+    dict(strategy="grad_in_forward"),
+    dict(strategy="grad_in_forward", gif_rows=8192),
+    dict(strategy="grad_in_forward", gif_rows=2048),
+    dict(strategy="grad_in_forward", row_block=4096, row_warps=16),
 ]
 # TMA descriptors for E and C in the fused kernels, the forward's flat loop, and tiles that let
 # two programs share a multiprocessor (one's softmax epilogue overlapping the other's matmul):
@@ -320,7 +369,7 @@ def sweep(n, h, v, warmup, rep, sweep_list):
     for delta in sweep_list:
         cfg = base.replace(**delta)
         C.OVERRIDE_CONFIG = cfg
-        red = "mean" if delta.get("grad_in_forward", "never") != "never" else "none"
+        red = "mean" if delta.get("strategy") == "grad_in_forward" else "none"
         try:
             with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
                 fwd_ms = _bench(
@@ -352,6 +401,42 @@ def sweep(n, h, v, warmup, rep, sweep_list):
     return results
 
 
+def phases(n, h, v, warmup, rep):
+    """Each step of the saved-tiles strategy timed alone, with cuBLAS's rate on the logits GEMM
+    (the floor's rate): where the time goes."""
+    g = torch.Generator(device=DEV.torch).manual_seed(0)
+    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16()
+    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16()
+    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
+    cfg = C.default_config(e.device)
+    saved = K.saved_tiles(n, v, e.dtype, e.device, cfg)
+    stats = K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved)
+    lse = stats[0] + stats[1].log()
+    coef = torch.stack([lse, torch.full_like(lse, 1.0 / n), torch.full_like(lse, 1.0 / n),
+                        torch.zeros_like(lse), stats[2]])
+    de = torch.empty((n, h), dtype=e.dtype, device=e.device)
+    dc = torch.empty_like(c)
+    flops = 2 * n * h * v
+    steps = {
+        "cuBLAS logits e @ c.T (bf16 out)": (lambda: e @ c.t(), flops),
+        "forward statistics": (lambda: K.forward_stats(e, c, None, t, 0, None, False, config=cfg), flops),
+        "forward statistics + saved tiles": (
+            lambda: K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved), flops),
+        "dz pass (in place)": (lambda: K.backward_saved(saved, e, c, False, t, 0, coef, None, False,
+                                                        False, e.dtype, cfg), 0),
+        "dE = dz @ c": (lambda: G.gemm_store(de, saved.u, c, cfg), flops),
+        "dC = dz.T @ e": (lambda: G.gemm_store(dc, saved.u.t(), e, cfg), flops),
+    }
+    out = []
+    for name, (fn, fl) in steps.items():
+        ms = _bench(fn, warmup, rep)
+        r = dict(v=v, step=name, ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1) if fl else None,
+                 gbps=round(n * v * e.element_size() * 2 / ms / 1e6, 1) if not fl else None)
+        print("phase", json.dumps(r), flush=True)
+        out.append(r)
+    return out
+
+
 # ----------------------------------------------------------------------------------- main
 
 
@@ -362,13 +447,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=4096, help="hidden size H")
     ap.add_argument("--vocab", type=int, nargs="+", default=[128256, 16032])
     ap.add_argument("--impls", nargs="+",
-                    default=["ours", "ours_gif", "torch", "cce", "liger", "quack"],
+                    default=["ours", "ours_saved", "ours_gif", "ours_recompute", "torch", "cce",
+                             "liger", "quack"],
                     choices=list(PEERS))
     ap.add_argument("--reductions", nargs="+", default=["mean", "none"])
     ap.add_argument("--config", default=None, help="JSON of LCEConfig fields for ours")
     ap.add_argument("--sweep", action="store_true", help="sweep our tile configs first")
     ap.add_argument("--sweep-vocab", type=int, nargs="+", default=[16032])
     ap.add_argument("--sweep-only", action="store_true")
+    ap.add_argument("--phases", action="store_true",
+                    help="time each step of the saved-tiles strategy first (--sweep-vocab)")
     ap.add_argument("--sweep-set", default="modes", choices=list(SWEEPS),
                     help="which list of config deltas --sweep runs")
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up calls per measurement")
@@ -409,6 +497,10 @@ def main(argv=None) -> dict:
             best = min(plain, key=lambda r: r["ms"])
             print(f"best sweep config: {json.dumps(best['delta'])} ({best['ms']} ms)", flush=True)
             C.OVERRIDE_CONFIG = C.default_config(dev).replace(**best["delta"])
+    phase_rows = []
+    if args.phases:
+        for sv in args.sweep_vocab:
+            phase_rows += phases(args.n, args.hidden, sv, args.warmup, args.rep)
     cfg = C.default_config(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
@@ -422,9 +514,13 @@ def main(argv=None) -> dict:
                                 cfg)
     meta["cublas_fp32_out"] = dict(G.TORCH_DTYPE_MM)  # after use: False where it fell back
     md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
+    if phase_rows:
+        md += "\n".join(["", "Steps of the saved-tiles strategy, each alone:", ""] + common.table(
+            ["V", "step", "ms", "TFLOP/s", "GB/s (read + write)"],
+            [(r["v"], r["step"], r["ms"], r["tflops"], r["gbps"]) for r in phase_rows])) + "\n"
     stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
-    report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows)
-    written = common.write_report(stem, report, md)
+    report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows, phases=phase_rows)
+    written = common.write_report(stem, report, md, plot=plot if rows else None)
     print(md)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return report

@@ -100,6 +100,12 @@ def check_z_loss(z_loss: float) -> None:
         raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
 
 
+def check_memory_budget(memory_budget) -> None:
+    if memory_budget is not None and not 0.0 <= _number("memory_budget", memory_budget) < math.inf:
+        raise ValueError(f"memory_budget must be None or a finite number of bytes >= 0, "
+                         f"got {memory_budget}")
+
+
 def check_softcap(softcap) -> None:
     if softcap is not None and not 0.0 < _number("softcap", softcap) < math.inf:
         raise ValueError(f"softcap must be None or finite and > 0, got {softcap}")

@@ -70,6 +70,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     impl: str = "auto",
+    memory_budget: Optional[float] = None,
 ):
     """Cross entropy of ``e @ c.T (+ bias)`` over the full (TP-sharded) vocabulary, fused.
 
@@ -97,6 +98,13 @@ def linear_cross_entropy(
     z_loss : adds ``z_loss * lse**2`` per (non-ignored) token.
     impl : ``"triton"``, ``"torch"`` (chunked PyTorch) or ``"auto"`` (Triton on CUDA or under
         ``TRITON_INTERPRET=1``, else PyTorch).
+    memory_budget : bytes of device memory the Triton backend may hold beyond the inputs and
+        the gradients it returns; it takes the fastest strategy that fits (None: 2 GiB):
+        saving the logits for backward (``N x V_local`` elements of the input dtype; 6NHV),
+        for a scalar loss forming the gradients in forward (an fp32 ``(V_local, H)``
+        accumulator; 6NHV; without TP), else recomputing the logits in backward in column
+        chunks (8NHV, about 0.4 GiB at 16K tokens of H=4096; a smaller budget narrows the
+        chunks). The results agree to rounding; the PyTorch backend ignores it.
 
     Returns
     -------
@@ -110,6 +118,7 @@ def linear_cross_entropy(
     """
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)
+    checks.check_memory_budget(memory_budget)
     targets = checks.widened_target(targets, int(ignore_index), "targets")
     if settings.flag(settings.CHECK_TARGETS, False):
         vocab = c.shape[0] * communication.world_size(tp_group)
@@ -121,7 +130,7 @@ def linear_cross_entropy(
         e, c, bias, targets, backends.linear_backend(impl, e), ignore_index=int(ignore_index),
         softcap=float(softcap) if softcap else None, reduction=reduction, shift=int(shift),
         group=tp_group, sequence_parallel=bool(sequence_parallel),
-        smoothing=float(label_smoothing), z_loss=float(z_loss))
+        smoothing=float(label_smoothing), z_loss=float(z_loss), memory_budget=memory_budget)
     return (loss, lse) if return_lse else loss
 
 

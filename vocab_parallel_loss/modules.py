@@ -70,9 +70,10 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
     def __init__(self, ignore_index: int = -100, softcap: Optional[float] = None,
                  reduction: str = "mean", shift: int = 0, return_lse: bool = False, *,
                  tp_group=None, sequence_parallel: bool = False, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, impl: str = "auto"):
+                 z_loss: float = 0.0, impl: str = "auto", memory_budget: Optional[float] = None):
         super().__init__()
         # every option checked here, as linear_cross_entropy checks it, not at the first forward
+        checks.check_memory_budget(memory_budget)
         checks.check_reduction(reduction)
         checks.check_smoothing(label_smoothing)
         checks.check_z_loss(z_loss)
@@ -90,6 +91,7 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss
         self.impl = impl
+        self.memory_budget = memory_budget
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                 bias: Optional[torch.Tensor] = None):
@@ -97,10 +99,12 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
             e, c, targets, bias, ignore_index=self.ignore_index, softcap=self.softcap,
             reduction=self.reduction, shift=self.shift, return_lse=self.return_lse,
             tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
-            label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl)
+            label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl,
+            memory_budget=self.memory_budget)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
                 f"softcap={self.softcap}, shift={self.shift}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
-                f"sequence_parallel={self.sequence_parallel}, impl={self.impl!r}")
+                f"sequence_parallel={self.sequence_parallel}, impl={self.impl!r}, "
+                f"memory_budget={self.memory_budget}")

@@ -37,8 +37,8 @@ def init_process_group() -> None:
 def gif_config() -> "K.LCEConfig":
     """Gradients formed in forward, in several row chunks even on the tiny shapes."""
     if DEVICE.type == "cuda" and not settings.interpreting():
-        return K.default_config(DEVICE).replace(grad_in_forward="always", gif_rows=16)
-    return K.INTERPRET_CONFIG.replace(grad_in_forward="always")
+        return K.default_config(DEVICE).replace(strategy="grad_in_forward", gif_rows=16)
+    return K.INTERPRET_CONFIG.replace(strategy="grad_in_forward")
 
 
 def same_on_every_rank(t: torch.Tensor) -> None:
@@ -55,11 +55,11 @@ def close(name, got, want, rtol):
 
 
 def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_loss=0.0,
-               softcap=None, bias=False, shift=0, sp=False, gif=False, v_local=23, h=24, s=8,
-               b=4):
+               softcap=None, bias=False, shift=0, sp=False, gif=False, budget=None, v_local=23,
+               h=24, s=8, b=4):
     rank, world = dist.get_rank(), dist.get_world_size()
     K.config.OVERRIDE_CONFIG = gif_config() if gif else None
-    assert (K.default_config(DEVICE).grad_in_forward == "always") == gif
+    assert (K.default_config(DEVICE).strategy == "grad_in_forward") == gif
     v = v_local * world
     gen = torch.Generator().manual_seed(1234)
     # sequence parallel: Megatron's output-layer input [s, b, h], the sequence (and the shift)
@@ -81,7 +81,7 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
     kw = dict(reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap,
               shift=shift)
     loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,
-                                sequence_parallel=sp, impl=impl, **kw)
+                                sequence_parallel=sp, impl=impl, memory_budget=budget, **kw)
     g = up if reduction == "none" else torch.ones(())
     leaves = [e, c] + ([bb] if bias else [])
     grads = torch.autograd.grad(loss, leaves, g.to(DEVICE, loss.dtype))
@@ -113,6 +113,10 @@ CASES = [
     dict(reduction="mean", sp=True, shift=1),
     dict(reduction="none", sp=True, shift=2, bias=True),  # [s - 2, b] per-token losses
     dict(reduction="mean", dtype=torch.bfloat16, smoothing=0.1, sp=True),
+    # the default budget saves the logits tiles; 0 recomputes them in backward
+    dict(reduction="none", softcap=4.0, bias=True, z_loss=1e-3, budget=0),
+    dict(reduction="mean", sp=True, smoothing=0.1, bias=True, budget=0),
+    dict(reduction="none", sp=True, shift=2, bias=True, budget=0),
     # gradients formed in forward: one stats all-gather per row chunk
     dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
     dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),

@@ -144,7 +144,7 @@ def test_deterministic_bitwise():
         assert torch.equal(a, b_)
 
 
-def _extra_memory(e, c, t):
+def _extra_memory(e, c, t, memory_budget=None):
     """Peak bytes above the inputs during forward + backward, minus the bf16 gradients left
     behind (second run: compiled, allocator warm)."""
     e.requires_grad_()
@@ -153,7 +153,7 @@ def _extra_memory(e, c, t):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = linear_cross_entropy(e, c, t, impl="triton")
+        loss = linear_cross_entropy(e, c, t, impl="triton", memory_budget=memory_budget)
         de, dc = torch.autograd.grad(loss, (e, c))
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - de.numel() * 2 - dc.numel() * 2
@@ -165,7 +165,7 @@ def test_extra_memory_independent_of_vocab():
     """Peak memory over inputs + gradients stays far below the logits' size."""
     n, h, v = 16384, 1024, 128256
     e, c, _, t, _ = _case(n, h, v)
-    extra = _extra_memory(e, c, t)
+    extra = _extra_memory(e, c, t, memory_budget=512 << 20)  # the recompute strategy
     logits_bytes = n * v * 2
     cfg = K.default_config(e.device)
     bound = cfg.chunk_bytes + n * h * 4 * 2 + 64 * 2**20 + (4096 * h * 4)
@@ -173,17 +173,20 @@ def test_extra_memory_independent_of_vocab():
     assert extra < logits_bytes / 4
 
 
-@pytest.mark.parametrize("what", ["rows_x_hidden", "vocab_x_hidden", "rows_x_chunk"])
+@pytest.mark.parametrize("what", ["rows_x_hidden", "vocab_x_hidden", "rows_x_chunk",
+                                  "saved_tiles"])
 def test_int64_offsets(what, monkeypatch):
-    """Tensors with more than 2^31 elements: E (N*H), C (V*H), the dlogits chunk (N*Vc)."""
+    """Tensors with more than 2^31 elements: E (N*H), C (V*H), the dlogits chunk (N*Vc), the
+    saved tiles (N*V)."""
     if what == "rows_x_hidden":
         n, h, v = 2**19 + 3, 4096, 256
     elif what == "vocab_x_hidden":
         n, h, v = 64, 4096, 2**19 + 5
     else:
         n, h, v = 65536, 64, 40000
+        delta = dict(chunk_bytes=8 << 30) if what == "rows_x_chunk" else dict(strategy="saved")
         monkeypatch.setattr(KC, "OVERRIDE_CONFIG",
-                            K.default_config(torch.device("cuda")).replace(chunk_bytes=8 << 30))
+                            K.default_config(torch.device("cuda")).replace(**delta))
     e, c, b, t, up = _case(n, h, v)
     loss, grads = _run(e, c, b, t, up, reduction="none", impl="triton")
     want, wgrads = _reference(e, c, b, t, up, reduction="none")
@@ -193,14 +196,16 @@ def test_int64_offsets(what, monkeypatch):
     torch.cuda.empty_cache()
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])
+def test_cuda_graph_capture(budget):
     """No host synchronisation in forward or backward: the step captures into a CUDA graph."""
     e, c, b, t, up = _case(2048, 1024, 16032)
     e = e.detach().requires_grad_()
     c = c.detach().requires_grad_()
 
     def step():
-        loss = linear_cross_entropy(e, c, t, reduction="mean", label_smoothing=0.1, impl="triton")
+        loss = linear_cross_entropy(e, c, t, reduction="mean", label_smoothing=0.1, impl="triton",
+                                    memory_budget=budget)
         return (loss, *torch.autograd.grad(loss, (e, c)))
 
     s = torch.cuda.Stream()
@@ -221,7 +226,7 @@ def test_cuda_graph_capture():
 @pytest.mark.parametrize("n,h,v", [(4096, 4096, 32000), (8192, 4096, 16032)])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_grad_in_forward_path(n, h, v, reduction, monkeypatch):
-    cfg = K.default_config(torch.device("cuda")).replace(grad_in_forward="always", gif_rows=3000)
+    cfg = K.default_config(torch.device("cuda")).replace(strategy="grad_in_forward", gif_rows=3000)
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
     e, c, b, t, up = _case(n, h, v, bias=True)
     kw = dict(reduction=reduction, softcap=30.0, label_smoothing=0.1)
@@ -236,11 +241,42 @@ def test_grad_in_forward_path(n, h, v, reduction, monkeypatch):
 
 def test_grad_in_forward_memory(monkeypatch):
     n, h, v = 16384, 1024, 32000
-    cfg = K.default_config(torch.device("cuda")).replace(grad_in_forward="always")
+    cfg = K.default_config(torch.device("cuda")).replace(strategy="grad_in_forward")
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
     e, c, _, t, _ = _case(n, h, v)
     extra = _extra_memory(e, c, t)
     bound = K.gif_extra_bytes(n, v, h, cfg) + n * h * 4 + 64 * 2**20
+    assert extra < bound, (extra / 2**30, bound / 2**30)
+
+
+@pytest.mark.parametrize("n,h,v", [(4096, 4096, 32000), (3000, 2048, 16032)])
+@pytest.mark.parametrize("kw", [dict(reduction="mean"),
+                                dict(reduction="none", softcap=30.0),
+                                dict(reduction="sum", label_smoothing=0.1, z_loss=1e-4)],
+                         ids=["mean", "none-softcap", "sum-smoothing-z"])
+def test_saved_and_recompute_strategies_agree(n, h, v, kw):
+    e, c, b, t, up = _case(n, h, v, bias=True)
+    want, wgrads = _reference(e, c, b, t, up, **kw)
+    got = {}
+    for budget in (None, 0):  # the default saves the logits tiles; 0 recomputes them
+        loss, grads = _run(e, c, b, t, up, impl="triton", memory_budget=budget, **kw)
+        torch.testing.assert_close(loss, want, atol=2e-4 * max(1.0, want.abs().max().item()),
+                                   rtol=2e-5)
+        _close_grads(grads, wgrads, 1e-2)
+        got[budget] = grads
+    # the two differ only by the bf16 rounding of the saved probabilities
+    _close_grads(got[None], [g.float() for g in got[0]], 1e-2)
+    again = _run(e, c, b, t, up, impl="triton", **kw)[1]
+    assert all(torch.equal(x, y) for x, y in zip(got[None], again))  # deterministic
+
+
+def test_saved_strategy_memory():
+    n, h, v = 16384, 4096, 16032
+    e, c, _, t, _ = _case(n, h, v)
+    cfg = K.default_config(torch.device("cuda"))
+    extra = _extra_memory(e, c, t)
+    # the saved tiles and nothing else of size: dE is written in bf16 straight away
+    bound = K.saved_bytes(n, v, 2, cfg) + 16 * 2**20
     assert extra < bound, (extra / 2**30, bound / 2**30)
 
 

@@ -25,15 +25,20 @@ K = backends.triton_linear
 KC = K.config if K is not None else None  # default_config reads OVERRIDE_CONFIG here
 KF = K.fused if K is not None else None
 
-IMPLS = ["triton", "torch"]
+# the Triton backend with the strategy the default budget picks on these shapes (the logits
+# tiles saved for backward), and forced to recompute them (a budget of 0)
+IMPLS = ["triton", "triton-recompute", "torch"]
 # (loss atol, grad tolerance relative to the largest gradient entry)
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-4, 2e-2)}
 
 
 @pytest.fixture(params=IMPLS)
-def impl(request):
-    if request.param == "triton" and (K is None or not interpreting()):
+def impl(request, monkeypatch):
+    if request.param.startswith("triton") and (K is None or not interpreting()):
         pytest.skip("the CPU tests run the Triton kernels through TRITON_INTERPRET=1")
+    if request.param == "triton-recompute":
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(strategy="recompute"))
+        return "triton"
     return request.param
 
 
@@ -74,7 +79,8 @@ def check(impl, dtype=torch.float32, *, bias=False, lead=None, n=37, h=24, v=53,
     up = None
     if upstream and red == "none":
         up = torch.randn(t[..., kw.get("shift", 0):].shape, generator=torch.Generator().manual_seed(9))
-    loss, grads = run(e, c, b, t, impl, up, **kw)
+    budget = kw.pop("memory_budget", None)
+    loss, grads = run(e, c, b, t, impl, up, memory_budget=budget, **kw)
     want, wgrads = reference_grads(e, c, t, b, up, **kw)
     assert loss.dtype == torch.float32
     assert loss.shape == want.shape
@@ -416,7 +422,7 @@ GIF_CASES = [
 def grad_in_forward(monkeypatch):
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
-    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(grad_in_forward="always"))
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG.replace(strategy="grad_in_forward"))
     calls = []
     orig = lce_mod._forward_with_grads
 
@@ -464,13 +470,54 @@ def test_grad_in_forward_edge_cases(grad_in_forward):
     assert len(grad_in_forward) == n_before
 
 
-def test_grad_in_forward_auto_respects_budget(monkeypatch):
+def test_strategy_follows_memory_budget(monkeypatch):
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    e, c, b, t = make(n=200, h=8)  # N > 2H: the fp32 dC is smaller than the saved tiles
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    cfg = K.INTERPRET_CONFIG
+    n, h = e.shape
+    v = c.shape[0]
+    saved = K.saved_bytes(n, v, e.element_size(), cfg)
+    gif = K.gif_extra_bytes(n, v, h, cfg)
+    assert gif < saved
+
+    def pick(budget, reduction="mean", softcap=None, smoothing=0.0):
+        return lce_mod._strategy(K, e, c, None, reduction, False, None, softcap, smoothing,
+                                 budget)
+
+    assert pick(None) == ("saved", None)
+    assert pick(saved) == ("saved", None)
+    assert pick(saved - 1) == ("grad_in_forward", None)
+    assert pick(0) == ("recompute", 1)  # too small for any chunk: the narrowest
+    # smoothing through a softcap needs every logit: the saved probabilities lack them
+    assert pick(None, softcap=3.0, smoothing=0.1)[0] == "grad_in_forward"
+    assert pick(None, "none", softcap=3.0, smoothing=0.1)[0] == "recompute"
+    with torch.no_grad():
+        assert pick(None) == ("recompute", None)
+    with pytest.raises(ValueError, match="memory_budget"):
+        linear_cross_entropy(e, c, t, memory_budget=-1)
+    with pytest.raises(TypeError, match="memory_budget"):
+        linear_cross_entropy(e, c, t, memory_budget="1GiB")
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_memory_budget_results_agree(budget):
+    # every strategy against the oracle, with the budget passed the way users pass it
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    check("triton", torch.float32, reduction="none", upstream=True, bias=True, memory_budget=budget)
+    check("triton", torch.bfloat16, reduction="mean", label_smoothing=0.1, memory_budget=budget)
+
+
+def test_saved_strategy_second_backward_is_a_clear_error():
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
     e, c, b, t = make()
-    cfg = K.INTERPRET_CONFIG.replace(grad_in_forward="auto", gif_max_bytes=1)
-    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
-    assert not lce_mod._use_grad_in_forward(K, e, c, None, "mean", 0, False, None)
-    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg.replace(gif_max_bytes=1 << 30))
-    assert lce_mod._use_grad_in_forward(K, e, c, None, "mean", 0, False, None)
-    assert not lce_mod._use_grad_in_forward(K, e, c, None, "none", 0, False, None)
+    loss = linear_cross_entropy(e, c, t, impl="triton")
+    torch.autograd.grad(loss, e, retain_graph=True)
+    with pytest.raises(RuntimeError, match="memory_budget=0"):
+        torch.autograd.grad(loss, e)
+    loss = linear_cross_entropy(e, c, t, impl="triton", memory_budget=0)
+    first = torch.autograd.grad(loss, e, retain_graph=True)[0]
+    assert torch.equal(torch.autograd.grad(loss, e)[0], first)

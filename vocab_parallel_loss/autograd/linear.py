@@ -46,7 +46,8 @@ class _Opts:
     smoothing: float
     z_loss: float
     backend: object
-    grad_in_forward: bool = False
+    strategy: str = "recompute"  # "saved", "grad_in_forward" or "recompute" (``_strategy``)
+    chunk_bytes: Optional[int] = None  # the recompute path's dlogits chunk, when the budget caps it
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
 
 
@@ -113,14 +114,16 @@ def _check_shapes(gathered, m, shapes: tuple, group):
     return m
 
 
-def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None):
+def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None, x_t=None):
     """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant (in the
-    lse's dtype: fp32, or fp64 for float64 inputs)."""
+    lse's dtype: fp32, or fp64 for float64 inputs); with ``x_t`` a fifth row, the target
+    logit (the saved-tiles backward)."""
     a, z = o.smoothing, o.z_loss
     gp = g * (1.0 + 2.0 * z * lse) if z > 0 else g
     if grad_lse is not None:
         gp = gp + grad_lse
-    return torch.stack([lse, gp, g * (1.0 - a), g * (a / v_global)])
+    rows = [lse, gp, g * (1.0 - a), g * (a / v_global)]
+    return torch.stack(rows if x_t is None else rows + [x_t.to(lse.dtype)])
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -133,20 +136,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
         v_offset = rank * v_local
         shapes = _shapes(e, c, targets, o)
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
-        grads = (None, None, None)
-        if o.grad_in_forward:
-            row_stats, grads, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
-                                                             v_offset, shapes)
+        kept = (None, None, None)  # grad_in_forward: the gradients; saved: u, tile maxima, x_t
+        if o.strategy == "grad_in_forward":
+            row_stats, kept, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
+                                                            v_offset, shapes)
         else:
-            stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
-                                            o.smoothing > 0)
+            if o.strategy == "saved":
+                cfg = o.backend.default_config(e2.device)
+                saved = o.backend.saved_tiles(e2.shape[0], v_local, e2.dtype, e2.device, cfg)
+                stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
+                                                o.smoothing > 0, config=cfg, saved=saved)
+                ctx.tile_v = saved.block_v
+            else:
+                stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
+                                                o.smoothing > 0)
             row_stats, gathered = _merge(stats, v_local, o, shapes)
+            if o.strategy == "saved":
+                kept = (saved.u, saved.tile_max, row_stats[2])
         m = _check_shapes(gathered, row_stats[0], shapes, o.group)
         loss, lse, ignored, _ = token_loss(t2, m, *row_stats[1:], v_global, o.ignore_index,
                                            o.smoothing, o.z_loss)
 
         count = (~ignored).sum() if o.reduction == "mean" else None
-        ctx.save_for_backward(e, c, bias, targets, lse, count, *grads)
+        ctx.save_for_backward(e, c, bias, targets, lse, count, *kept)
+        ctx.consumed = False
         ctx.o = o
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
 
@@ -165,7 +178,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         if torch.is_grad_enabled():  # create_graph=True
             refuse_double_backward("linear_cross_entropy")
-        e, c, bias, targets, lse, count, de_f, dc_f, db_f = ctx.saved_tensors
+        e, c, bias, targets, lse, count, *kept = ctx.saved_tensors
         o: _Opts = ctx.o
         v_global, v_offset, full_shape, shifted_shape = ctx.meta
         need_de, need_dc, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
@@ -175,7 +188,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dev = e.device
         de32 = dc = db = None
         e2 = t2 = None
-        if o.grad_in_forward:
+        if o.strategy == "saved":
+            if ctx.consumed:
+                raise RuntimeError(
+                    "linear_cross_entropy: a second backward through the same loss; this call "
+                    "turned its saved logits into gradients in the first one (memory_budget "
+                    "allowed the saved-tiles strategy). Pass memory_budget=0 to backward twice.")
+            ctx.consumed = True
+            u, tile_max, x_t = kept
+            e2, t2, _, _ = _rows(e, targets, o)
+            coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
+                         grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None,
+                         x_t=x_t)
+            cfg = o.backend.default_config(e.device)
+            # without TP dE is final: round it once straight into the input dtype
+            de_dtype = e.dtype if communication.world_size(o.group) == 1 else torch.float32
+            de32, dc, db = o.backend.backward_saved(
+                o.backend.SavedTiles(u, tile_max, ctx.tile_v), e2, c, need_db, t2,
+                v_offset, coef, o.softcap, need_de, need_dc, de_dtype, cfg)
+        elif o.strategy == "grad_in_forward":
+            de_f, dc_f, db_f = kept
             # gradients of the loss were formed in forward with an upstream gradient of 1
             gl = (grad_loss.float() if grad_loss is not None
                   else torch.zeros((), dtype=torch.float32, device=dev))
@@ -201,8 +233,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
-            de32, dc, db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
-                                              need_de, need_dc, need_db)
+            cfg = o.backend.default_config(e.device) if o.chunk_bytes else None
+            de32, dc, db = o.backend.backward(
+                e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc, need_db,
+                **({"config": cfg.replace(chunk_bytes=o.chunk_bytes)} if cfg else {}))
         de = None
         if need_de:
             if not o.sequence_parallel:  # else the reduce-scatter below does the sum
@@ -250,7 +284,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
                         shapes: tuple):
     """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
     over materialized fp32 row chunks of the logits (Triton backend only; see
-    ``LCEConfig.grad_in_forward``). Returns the merged row statistics ``(m, s, x_t, d)``
+    ``LCEConfig.strategy``). Returns the merged row statistics ``(m, s, x_t, d)``
     (``_merge``), the fp32 gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None
     where not needed) and the first chunk's gathered statistics (for ``_check_shapes``; None
     without TP or rows)."""
@@ -296,29 +330,60 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     return row_stats.unbind(0), (de, dc, db), first
 
 
-def _use_grad_in_forward(backend, e, c, bias, reduction, shift, sequence_parallel, group) -> bool:
-    if backend is TorchBackend or reduction == "none" or not torch.is_grad_enabled():
-        return False
+#: Extra device memory the fused linear loss may use when the caller names no budget: the
+#: saved-tiles strategy up to 2 GiB of saved logits (a 16K-column TP shard up to 64K tokens, a
+#: 128K vocabulary up to 8K tokens), else the fastest that fits.
+DEFAULT_MEMORY_BUDGET = 2 << 30
+
+
+def _strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group, softcap,
+              smoothing: float, memory_budget):
+    """``(strategy, recompute chunk bytes or None)``: the fastest way to form the gradients
+    whose extra memory fits ``memory_budget`` bytes (docs/design.md, "Fused linear
+    strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies.
+
+    Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
+    takes the same path and runs the same collectives."""
+    if backend is TorchBackend or not torch.is_grad_enabled():
+        return "recompute", None
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return False
+        return "recompute", None  # forward only: statistics, nothing saved
     cfg = backend.default_config(e.device)
-    if cfg.grad_in_forward == "always":
-        return True
-    if cfg.grad_in_forward != "auto":
-        return False
-    h = e.shape[-1]
-    n = e.numel() // max(h, 1) * (communication.world_size(group) if sequence_parallel else 1)
-    return backend.gif_extra_bytes(n, c.shape[0], h, cfg) <= cfg.gif_max_bytes
+    world = communication.world_size(group)
+    h, v, size = e.shape[-1], c.shape[0], e.element_size()
+    n = e.numel() // max(h, 1) * (world if sequence_parallel else 1)
+    # saved: without the logit, the softcap slope of an underflowed probability is unknown,
+    # and smoothing needs it
+    saved_ok = not (softcap and smoothing > 0)
+    scalar = reduction != "none"
+    if cfg.strategy != "auto":
+        ok = {"saved": saved_ok, "grad_in_forward": scalar, "recompute": True}[cfg.strategy]
+        return (cfg.strategy if ok else "recompute"), None
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
+    if saved_ok and backend.saved_bytes(n, v, size, cfg) + (de32 if world > 1 else 0) <= budget:
+        return "saved", None
+    # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
+    # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
+    if scalar and world == 1 and backend.gif_extra_bytes(n, v, h, cfg) <= budget:
+        return "grad_in_forward", None
+    block = cfg.bwd_block_v
+    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    if chunk + de32 <= budget:
+        return "recompute", None
+    return "recompute", max(1, int(budget) - de32)  # the narrowest chunks: one tile wide at least
 
 
 def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, reduction: str,
-                shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float):
+                shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float,
+                memory_budget=None):
     """The loss and per-token lse of checked arguments (``functional.linear_cross_entropy``)."""
+    strategy, chunk_bytes = _strategy(backend, e, c, bias, reduction, sequence_parallel, group,
+                                      softcap, smoothing, memory_budget)
     o = _Opts(ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
               group=group,
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
               smoothing=smoothing, z_loss=z_loss, backend=backend,
-              grad_in_forward=_use_grad_in_forward(backend, e, c, bias, reduction, shift,
-                                                   sequence_parallel, group),
+              strategy=strategy, chunk_bytes=chunk_bytes,
               seq_dim=0 if sequence_parallel else -2)
     return _LinearCrossEntropy.apply(e, c, bias, targets, o)

@@ -25,6 +25,9 @@ class VocabParallelLossConfig:
         The logits' gradient overwrites the logits buffer (no extra memory).
     fused_linear : bool
         Fuse the output layer with the loss (never materialize the logits).
+    memory_budget_gib : float or None
+        With ``fused_linear``: GiB of device memory the fused loss may hold beyond its inputs
+        and gradients (``linear_cross_entropy``'s ``memory_budget``; None: its default, 2 GiB).
     ignore_index : int
         Target value whose token gets loss 0 and gradient 0.
     """
@@ -35,11 +38,13 @@ class VocabParallelLossConfig:
     inplace_backward: bool = False
     fused_linear: bool = False
     ignore_index: int = -100
+    memory_budget_gib: Optional[float] = None
 
     def __post_init__(self) -> None:
         # the loss's own checks: the config accepts exactly what the loss accepts
         checks.check_smoothing(self.label_smoothing)
         checks.check_z_loss(self.z_loss)
+        checks.check_memory_budget(self.memory_budget_gib)
         self.ignore_index = checks.check_ignore_index(self.ignore_index)
 
     @classmethod
@@ -57,7 +62,13 @@ class VocabParallelLossConfig:
             inplace_backward=bool(get("vocab_parallel_loss_inplace_backward", False)),
             fused_linear=bool(get("vocab_parallel_loss_fused_linear", False)),
             ignore_index=int(get("vocab_parallel_loss_ignore_index", -100)),
+            memory_budget_gib=get("vocab_parallel_loss_memory_budget", None),
         )
+
+    @property
+    def memory_budget(self) -> Optional[int]:
+        """``memory_budget_gib`` in bytes (``linear_cross_entropy``'s unit)."""
+        return None if self.memory_budget_gib is None else int(self.memory_budget_gib * 2**30)
 
     def loss_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments of ``VocabParallelCrossEntropy`` (besides the group)."""
@@ -124,6 +135,14 @@ def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.Ar
         "--vocab-parallel-loss-fused-linear",
         action="store_true",
         help="Fuse the output layer with the loss (the logits are never materialized).",
+    )
+    group.add_argument(
+        "--vocab-parallel-loss-memory-budget",
+        type=float,
+        default=None,
+        help="GiB the fused linear loss may hold beyond its inputs and gradients; it takes the "
+             "fastest strategy that fits (default 2: the logits saved for backward up to that "
+             "size, else recomputed).",
     )
     group.add_argument(
         "--vocab-parallel-loss-ignore-index",

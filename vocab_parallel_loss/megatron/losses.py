@@ -73,5 +73,6 @@ def fused_linear_loss(
         tp_group=tp_group,
         sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
         label_smoothing=loss_config.label_smoothing, z_loss=loss_config.z_loss, impl="auto",
+        memory_budget=loss_config.memory_budget,
     )  # [s, b], fp32
     return loss.transpose(0, 1).contiguous()

@@ -8,6 +8,8 @@ functions; the files hold one idea each:
 ``fused.py``   the ``tl.dot`` kernels that recompute logits tiles: forward statistics
                (``forward_stats``) and dlogits with the gradient GEMMs (``backward``), 8NHV
 ``gemm.py``    the gradient GEMMs with fp32 accumulation (cuBLAS or a Triton GEMM)
+``saved.py``   the saved-tiles strategy: the forward saves the logits tiles, backward turns
+               them into dlogits in place and runs two GEMMs, 6NHV
 ``rows.py``    the grad-in-forward path for scalar losses: materialized fp32 row chunks and
                memory-bound row kernels, 6NHV
 ``common.py``  helpers the kernel files share
@@ -21,9 +23,11 @@ from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, d
 from .fused import backward, forward_split, forward_stats
 from .gemm import gemm_acc, gemm_store
 from .rows import chunk_logits, gif_chunk_rows, gif_extra_bytes, rows_dz_inplace, rows_stats
+from .saved import SavedTiles, backward_saved, saved_bytes, saved_tiles
 
 __all__ = [
-    "AMPERE_CONFIG", "HOPPER_CONFIG", "INTERPRET_CONFIG", "LCEConfig", "backward", "chunk_logits",
+    "AMPERE_CONFIG", "HOPPER_CONFIG", "INTERPRET_CONFIG", "LCEConfig", "SavedTiles", "backward",
+    "backward_saved", "chunk_logits", "saved_bytes", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
     "gif_chunk_rows", "gif_extra_bytes", "rows_dz_inplace", "rows_stats",
 ]

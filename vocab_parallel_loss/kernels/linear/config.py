@@ -26,13 +26,14 @@ class LCEConfig:
     ``"torch"`` (cuBLAS, fp32 accumulation; Triton where PyTorch lacks the fp32-output overload)
     or ``"triton"`` (``gemm._mm_kernel``). CPU (interpreter) always uses Triton.
 
-    ``grad_in_forward``: ``"never"`` (default), ``"auto"`` or ``"always"``. For a scalar loss
-    (``reduction`` mean or sum) that needs gradients, form both gradients already in forward
-    from ``gif_rows``-row chunks of materialized fp32 logits: 6NHV flops instead of 8NHV, at
-    the price of memory that grows with V: an fp32 ``(V_local, H)`` ``dC`` accumulator and a
-    ``gif_rows x V_local`` fp32 chunk (plus the fp32 ``(N, H)`` ``dE`` both paths hold).
-    ``"auto"`` takes it when ``rows.gif_extra_bytes`` stays under ``gif_max_bytes``.
-    ``row_block`` / ``row_warps``: the memory-bound row kernels of that path.
+    ``strategy``: how gradients are formed (``autograd/linear.py`` picks one per call from the
+    caller's ``memory_budget`` when this is ``"auto"``; tests and benchmarks force one):
+    ``"saved"`` (the forward saves every logits tile, ``saved.py``: 6NHV for any upstream
+    gradient, ``N x V_local`` elements held until backward), ``"grad_in_forward"`` (scalar
+    losses: both gradients formed in forward from ``gif_rows``-row chunks of fp32 logits,
+    6NHV, an fp32 ``(V_local, H)`` ``dC`` accumulator, ``rows.py``) or ``"recompute"``
+    (backward recomputes the logits in ``chunk_bytes`` column chunks: 8NHV, memory
+    independent of V). ``row_block`` / ``row_warps``: the memory-bound row kernels.
 
     ``fwd_desc`` / ``bwd_desc``: read E and C through TMA descriptors (Hopper+, 16-bit, aligned
     rows; the copy engine's zero fill replaces the masks). ``fwd_flat`` (with descriptors): the
@@ -61,9 +62,8 @@ class LCEConfig:
     mm_stages: int = 4
     chunk_bytes: int = 128 * 1024 * 1024
     matmul: str = "torch"
-    grad_in_forward: str = "never"
+    strategy: str = "auto"
     gif_rows: int = 4096
-    gif_max_bytes: int = 1 << 30
     row_block: int = 2048
     row_warps: int = 8
     fwd_desc: bool = False
@@ -94,6 +94,9 @@ INTERPRET_CONFIG = LCEConfig(
     gif_rows=16, row_block=16, row_warps=4,
 )
 
+#: Values of ``LCEConfig.strategy``.
+STRATEGIES = ("auto", "saved", "grad_in_forward", "recompute")
+
 #: Set to an ``LCEConfig`` to override the automatic choice (benchmarks and tests do this, here
 #: in this module: ``default_config`` reads it from here).
 OVERRIDE_CONFIG: Optional[LCEConfig] = None
@@ -112,4 +115,6 @@ def default_config(device: torch.device) -> LCEConfig:
     overrides = settings.lce_config_overrides()
     if overrides:
         cfg = cfg.replace(**overrides)
+    if cfg.strategy not in STRATEGIES:
+        raise ValueError(f"LCEConfig.strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
     return cfg

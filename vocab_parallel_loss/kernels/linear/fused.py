@@ -136,19 +136,50 @@ def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.cons
 
 
 @triton.jit
+def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, MT, stride_un,
+                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+    """``_fold_tile`` that also saves the tile for backward: ``u = exp(x - mt)`` in U's dtype
+    (in (0, 1], so bf16 keeps 8 bits of every probability) and the tile's row max ``mt`` in
+    ``MT[vt, rows]``; the statistics are folded from the fp32 values."""
+    rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    if HAS_BIAS:
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        x += b[None, :]
+    if HAS_SOFTCAP:
+        x = softcap * tanh(x / softcap)
+    tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
+    if NEED_SUMX:
+        sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
+    x = tl.where(col_mask[None, :], x, float("-inf"))
+    mt = tl.max(x, axis=1)
+    u = tl.exp(x - mt[:, None])
+    u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
+    tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=row_mask)
+    m_new = tl.maximum(m, mt)
+    s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mt - m_new)
+    return m_new, s, tg, sx
+
+
+@triton.jit
 def _lce_fwd_kernel(
-    E, C, BIAS, TGT, STATS,
+    E, C, BIAS, TGT, STATS, U, MT,
     N, V, H,
-    stride_en, stride_eh, stride_cv, stride_ch, stride_t,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un,
     v_offset, softcap, tiles_per_split, n_splits,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-    FLAT: tl.constexpr,
+    FLAT: tl.constexpr, STORE: tl.constexpr,
 ):
     """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
     (tile, H step) that folds a tile into the statistics after its last step, so that the
-    software pipeline keeps loading the next tile's operands during that epilogue."""
+    software pipeline keeps loading the next tile's operands during that epilogue. With
+    ``STORE`` every tile is also saved for backward (``_fold_store_tile``)."""
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,8 +204,13 @@ def _lce_fwd_kernel(
             acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
                                  DOT_PREC, UPCAST)
             if kk == num_k - 1:
-                m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
-                                          HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+                if STORE:
+                    m, s, tg, sx = _fold_store_tile(acc, rb, vt, N, V, BIAS, softcap, t_local,
+                                                    m, s, tg, sx, U, MT, stride_un, HAS_BIAS,
+                                                    HAS_SOFTCAP, NEED_SUMX, BLOCK_N, BLOCK_V)
+                else:
+                    m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                              HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
         for vt in range(t_begin, t_end):
@@ -183,8 +219,13 @@ def _lce_fwd_kernel(
             x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
                              stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
                              DOT_PREC, UPCAST, DESC)
-            m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
-                                      HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+            if STORE:
+                m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s,
+                                                tg, sx, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP,
+                                                NEED_SUMX, BLOCK_N, BLOCK_V)
+            else:
+                m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                          HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
 
     base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
     tl.store(base, m, mask=row_mask)
@@ -318,11 +359,13 @@ def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device):
 
 def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, v_offset: int, softcap: Optional[float],
-                  need_sumx: bool, config: Optional[LCEConfig] = None) -> torch.Tensor:
+                  need_sumx: bool, config: Optional[LCEConfig] = None,
+                  saved: Optional["SavedTiles"] = None) -> torch.Tensor:
     """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
 
     ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
-    of this shard); a target outside this shard contributes 0 to the target logit.
+    of this shard); a target outside this shard contributes 0 to the target logit. With
+    ``saved`` (``saved_tiles``) the logits are also saved for backward in that buffer.
     """
     cfg = config or default_config(e.device)
     N, H = e.shape
@@ -332,6 +375,8 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         return stats
     BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
     check_tiles(BN, BV, BH)
+    if saved is not None and saved.block_v != BV:
+        raise ValueError(f"saved tiles of {saved.block_v} columns, the forward's are {BV}")
     num_rb = triton.cdiv(N, BN)
     split, tiles_per_split = forward_split(N, V, cfg, e.device)
     part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
@@ -340,14 +385,16 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     ea, ca = _operands(e, c, BN, BV, BH, desc)
     _lce_fwd_kernel[grid](
         ea, ca, bias if bias is not None else e, targets, part,
+        saved.u if saved is not None else part, saved.tile_max if saved is not None else part,
         N, V, H,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
+        saved.u.stride(0) if saved is not None else 0,
         v_offset, float(softcap) if softcap else 1.0, tiles_per_split, split,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
         DOT_PREC=dot_precision(e.dtype), UPCAST=upcast(e.dtype), DESC=desc,
-        FLAT=desc and cfg.fwd_flat, num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages,
-        **PINNED,
+        FLAT=desc and cfg.fwd_flat, STORE=saved is not None, num_warps=cfg.fwd_warps,
+        num_stages=cfg.fwd_stages, **PINNED,
     )
     if split == 1:
         return stats

@@ -1,0 +1,127 @@
+"""The saved-tiles strategy of the fused linear loss: 6NHV for any upstream gradient.
+
+The forward kernel (``fused.forward_stats`` with ``saved=``) writes, next to the statistics,
+every logits tile as ``u = exp(x - mt)`` in the input dtype, with ``mt`` the tile's row max
+(fp32, one per row and ``BLOCK_V`` columns). Backward needs no recomputation: one memory-bound
+pass turns ``u`` into ``dz`` in place (``softmax = u * exp(mt - lse)``; the target column
+from its exact fp32 logit), then two cuBLAS GEMMs over the whole local vocabulary give
+``dE = dz @ C`` and ``dC = dz.T @ E``, each accumulated in fp32 and rounded once.
+
+Why ``u`` and not the logits: ``u`` lies in (0, 1], so bf16 keeps 8 significant bits of every
+probability, as the bf16 ``dz`` that feeds the GEMMs keeps anyway; bf16 logits would lose
+``|x| * 2**-9`` in the exponent (4% of a probability at ``|x| = 20``).
+
+Memory: ``N x V`` elements of the input dtype plus ``N x V / BLOCK_V`` fp32 tile maxima, held
+from forward to backward (``saved_bytes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..launch import PINNED  # compile options every launch pins (FMA contraction)
+from .config import LCEConfig
+from .gemm import gemm_store
+
+#: Row stride of ``u`` in elements is a multiple of this: 16-byte aligned rows for cuBLAS.
+_ROW_ALIGN = 8
+
+
+@dataclasses.dataclass
+class SavedTiles:
+    """``u (N, V)`` in the input dtype (rows 16-byte aligned) and ``tile_max (V / block_v, N)``
+    fp32; ``block_v`` is the forward's tile width, which ``tile_max`` is indexed by."""
+
+    u: torch.Tensor
+    tile_max: torch.Tensor
+    block_v: int
+
+
+def _padded(v: int) -> int:
+    return triton.cdiv(v, _ROW_ALIGN) * _ROW_ALIGN
+
+
+def saved_bytes(n: int, v: int, element_size: int, cfg: LCEConfig) -> int:
+    """Bytes ``saved_tiles`` allocates for ``n`` rows of ``v`` columns."""
+    return n * _padded(v) * element_size + triton.cdiv(v, cfg.fwd_block_v) * n * 4
+
+
+def saved_tiles(n: int, v: int, dtype: torch.dtype, device: torch.device,
+                cfg: LCEConfig) -> SavedTiles:
+    u = torch.empty((n, _padded(v)), dtype=dtype, device=device)[:, :v]
+    tile_max = torch.empty((triton.cdiv(v, cfg.fwd_block_v), n), dtype=torch.float32,
+                           device=device)
+    return SavedTiles(u, tile_max, cfg.fwd_block_v)
+
+
+@triton.jit
+def _saved_dz_kernel(
+    U, MT, TGT, COEF, N, V, stride_un, stride_t, v_offset, softcap,
+    HAS_SOFTCAP: tl.constexpr, TILE_V: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One row: ``dz = (gp * softmax - gt * onehot - gc) * dx/dz`` over ``u``, in place.
+
+    COEF is ``(5, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant) and
+    the target's logit, which gives the target column's probability (and softcap slope)
+    exactly instead of through its rounded ``u``. Elsewhere the softcapped logit for the slope
+    is ``mt + log u``, clamped to the cap.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    lse = tl.load(COEF + row)
+    gp = tl.load(COEF + N + row)
+    gt = tl.load(COEF + 2 * N + row)
+    gc = tl.load(COEF + 3 * N + row)
+    xt = tl.load(COEF + 4 * N + row)
+    t = tl.load(TGT + row * stride_t).to(tl.int64) - v_offset
+    t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
+    pt = tl.exp(xt - lse)
+    u_row = U + row * stride_un
+    for v0 in range(0, V, BLOCK):
+        cols = v0 + tl.arange(0, BLOCK)
+        mask = cols < V
+        u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
+        mt = tl.load(MT + (cols // TILE_V).to(tl.int64) * N + row, mask=mask, other=0.0)
+        onehot = cols == t_local
+        p = tl.where(onehot, pt, u * tl.exp(mt - lse))
+        dx = gp * p - gc - tl.where(onehot, gt, 0.0)
+        if HAS_SOFTCAP:
+            # (an underflowed u has probability 0: its dx is 0 whatever the slope)
+            th = tl.where(onehot, xt, mt + tl.log(tl.maximum(u, 1e-30))) / softcap
+            th = tl.minimum(tl.maximum(th, -1.0), 1.0)
+            dx = dx * (1.0 - th * th)
+        tl.store(u_row + cols, dx.to(U.dtype.element_ty), mask=mask)
+
+
+def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_needs_grad: bool,
+                   targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
+                   softcap: Optional[float], need_de: bool, need_dc: bool,
+                   de_dtype: torch.dtype, cfg: LCEConfig):
+    """Gradients from saved tiles, which this consumes (``u`` becomes ``dz``). ``coef (5, N)``
+    (``_saved_dz_kernel``). Returns ``(dE (N, H) in de_dtype or None, dC in c.dtype or None,
+    dbias fp32 (V,) or None)``."""
+    n, h = e.shape
+    v = c.shape[0]
+    dz = saved.u
+    if n:
+        _saved_dz_kernel[(n,)](
+            dz, saved.tile_max, targets, coef, n, v, dz.stride(0), targets.stride(0), v_offset,
+            float(softcap) if softcap else 1.0, HAS_SOFTCAP=bool(softcap),
+            TILE_V=saved.block_v, BLOCK=cfg.row_block, num_warps=cfg.row_warps, **PINNED)
+    de = dc = db = None
+    if need_de:
+        de = torch.empty((n, h), dtype=de_dtype, device=e.device)
+        gemm_store(de, dz, c, cfg)
+    if need_dc:
+        dc = torch.empty_like(c, memory_format=torch.contiguous_format)
+        if n:
+            gemm_store(dc, dz.t(), e, cfg)
+        else:
+            dc.zero_()
+    if bias_needs_grad:
+        db = dz.sum(dim=0, dtype=torch.float32)
+    return de, dc, db
