@@ -320,8 +320,9 @@ def test_torch_without_out_dtype_keeps_dc_on_cublas(monkeypatch):
     monkeypatch.setattr(torch, "addmm", old_addmm)
     monkeypatch.setattr(KG, "TORCH_DTYPE_MM", {k: True for k in KG.TORCH_DTYPE_MM})
     # 1024-column chunks: dE is stored by the first chunk's GEMM and added to by the others
+    # (the recompute strategy: its dE accumulates in fp32)
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.default_config(torch.device("cuda")).replace(
-        chunk_bytes=2049 * 2 * 1024))
+        chunk_bytes=2049 * 2 * 1024, strategy="recompute"))
     e, c, b, t, up = _case(2049, 256, 3001)
     with pytest.warns(RuntimeWarning, match="out_dtype"):
         loss, grads = _run(e, c, b, t, up, reduction="none", impl="triton")
