@@ -427,6 +427,11 @@ def phases(n, h, v, warmup, rep):
         "dE = dz @ c": (lambda: G.gemm_store(de, saved.u, c, cfg), flops),
         "dC = dz.T @ e": (lambda: G.gemm_store(dc, saved.u.t(), e, cfg), flops),
     }
+    for block, warps in ((1024, 4), (4096, 8), (4096, 16), (8192, 16)):  # the dz pass's tiles
+        other = cfg.replace(row_block=block, row_warps=warps)
+        steps[f"dz pass, row_block {block}, {warps} warps"] = (
+            lambda o=other: K.backward_saved(saved, e, c, False, t, 0, coef, None, False, False,
+                                             e.dtype, o), 0)
     out = []
     for name, (fn, fl) in steps.items():
         ms = _bench(fn, warmup, rep)
