@@ -138,7 +138,7 @@ def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.cons
 @triton.jit
 def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, MT, stride_un,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr):
     """``_fold_tile`` that also saves the tile for backward: ``u = exp(x - mt)`` in U's dtype
     (in (0, 1], so bf16 keeps 8 bits of every probability) and the tile's row max ``mt`` in
     ``MT[vt, rows]``; the statistics are folded from the fp32 values."""
@@ -157,8 +157,11 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
     x = tl.where(col_mask[None, :], x, float("-inf"))
     mt = tl.max(x, axis=1)
     u = tl.exp(x - mt[:, None])
-    u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
-    tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+    if DESC_U:  # the copy engine stores the tile asynchronously and clips it at (N, V)
+        U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
+    else:
+        u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
+        tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
     tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=row_mask)
     m_new = tl.maximum(m, mt)
     s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mt - m_new)
@@ -174,7 +177,7 @@ def _lce_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-    FLAT: tl.constexpr, STORE: tl.constexpr,
+    FLAT: tl.constexpr, STORE: tl.constexpr, DESC_U: tl.constexpr,
 ):
     """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
     (tile, H step) that folds a tile into the statistics after its last step, so that the
@@ -207,7 +210,8 @@ def _lce_fwd_kernel(
                 if STORE:
                     m, s, tg, sx = _fold_store_tile(acc, rb, vt, N, V, BIAS, softcap, t_local,
                                                     m, s, tg, sx, U, MT, stride_un, HAS_BIAS,
-                                                    HAS_SOFTCAP, NEED_SUMX, BLOCK_N, BLOCK_V)
+                                                    HAS_SOFTCAP, NEED_SUMX, BLOCK_N, BLOCK_V,
+                                                    DESC_U)
                 else:
                     m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
                                               HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
@@ -222,7 +226,7 @@ def _lce_fwd_kernel(
             if STORE:
                 m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s,
                                                 tg, sx, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP,
-                                                NEED_SUMX, BLOCK_N, BLOCK_V)
+                                                NEED_SUMX, BLOCK_N, BLOCK_V, DESC_U)
             else:
                 m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
                                           HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
@@ -383,9 +387,14 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     grid = (num_rb * split,)
     desc = cfg.fwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
+    ua = part
+    desc_u = False
+    if saved is not None:
+        desc_u = desc and cfg.store_desc
+        ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc_u else saved.u
     _lce_fwd_kernel[grid](
         ea, ca, bias if bias is not None else e, targets, part,
-        saved.u if saved is not None else part, saved.tile_max if saved is not None else part,
+        ua, saved.tile_max if saved is not None else part,
         N, V, H,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
         saved.u.stride(0) if saved is not None else 0,
@@ -393,7 +402,8 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
         DOT_PREC=dot_precision(e.dtype), UPCAST=upcast(e.dtype), DESC=desc,
-        FLAT=desc and cfg.fwd_flat, STORE=saved is not None, num_warps=cfg.fwd_warps,
+        FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc_u,
+        num_warps=cfg.fwd_warps,
         num_stages=cfg.fwd_stages, **PINNED,
     )
     if split == 1:
