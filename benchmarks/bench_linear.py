@@ -427,11 +427,6 @@ def phases(n, h, v, warmup, rep):
         "dE = dz @ c": (lambda: G.gemm_store(de, saved.u, c, cfg), flops),
         "dC = dz.T @ e": (lambda: G.gemm_store(dc, saved.u.t(), e, cfg), flops),
     }
-    for flag in (False, True):  # the saved tiles stored through registers or a TMA descriptor
-        other = cfg.replace(store_desc=flag)
-        steps[f"forward statistics + saved tiles, store_desc={flag}"] = (
-            lambda o=other: K.forward_stats(e, c, None, t, 0, None, False, config=o, saved=saved),
-            flops)
     for block, warps in ((1024, 4), (4096, 8), (4096, 16), (8192, 16)):  # the dz pass's tiles
         other = cfg.replace(row_block=block, row_warps=warps)
         steps[f"dz pass, row_block {block}, {warps} warps"] = (

@@ -69,7 +69,6 @@ class LCEConfig:
     fwd_desc: bool = False
     bwd_desc: bool = False
     fwd_flat: bool = False
-    store_desc: bool = False
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)

