@@ -101,6 +101,8 @@ def check_z_loss(z_loss: float) -> None:
 
 
 def check_memory_budget(memory_budget) -> None:
+    if isinstance(memory_budget, bool):
+        raise TypeError(f"memory_budget must be None or a number of bytes, got {memory_budget!r}")
     if memory_budget is not None and not 0.0 <= _number("memory_budget", memory_budget) < math.inf:
         raise ValueError(f"memory_budget must be None or a finite number of bytes >= 0, "
                          f"got {memory_budget}")

@@ -363,3 +363,20 @@ def test_dc_gemm_rounds_once(m, k, n):
     ulp = torch.exp2(torch.floor(torch.log2(exact[big].abs())) - 7)  # bf16: 8 significant bits
     err_ulp = (out.double()[big] - exact[big]).abs() / ulp
     assert float(err_ulp.max()) <= 0.6, float(err_ulp.max())
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])
+def test_torch_compile_matches_eager(budget):
+    """torch.compile over the fused linear loss (Dynamo traces the Triton kernels) gives the
+    eager loss and gradients, for both strategies."""
+    e, c, b, t, up = _case(1024, 512, 16032)
+    kw = dict(reduction="none", memory_budget=budget, impl="triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda e, c, t: linear_cross_entropy(e, c, t, **kw))
+    got = []
+    for fn in (compiled, lambda e, c, t: linear_cross_entropy(e, c, t, **kw)):
+        leaves = [e.detach().requires_grad_(), c.detach().requires_grad_()]
+        loss = fn(leaves[0], leaves[1], t)
+        got.append((loss.detach(), *torch.autograd.grad(loss, leaves, up)))
+    for a, w in zip(*got):
+        torch.testing.assert_close(a, w, atol=1e-5, rtol=1e-5)

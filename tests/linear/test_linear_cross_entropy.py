@@ -501,8 +501,9 @@ def test_strategy_follows_memory_budget(monkeypatch):
         assert pick(None) == ("recompute", None)
     with pytest.raises(ValueError, match="memory_budget"):
         linear_cross_entropy(e, c, t, memory_budget=-1)
-    with pytest.raises(TypeError, match="memory_budget"):
-        linear_cross_entropy(e, c, t, memory_budget="1GiB")
+    for bad in ("1GiB", True):
+        with pytest.raises(TypeError, match="memory_budget"):
+            linear_cross_entropy(e, c, t, memory_budget=bad)
 
 
 @pytest.mark.parametrize("budget", [None, 0])
