@@ -526,3 +526,21 @@ def test_saved_strategy_second_backward_is_a_clear_error():
     loss = linear_cross_entropy(e, c, t, impl="triton", memory_budget=0)
     first = torch.autograd.grad(loss, e, retain_graph=True)[0]
     assert torch.equal(torch.autograd.grad(loss, e)[0], first)
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])
+def test_torch_compile_matches_eager(budget):
+    # the Triton backend runs as a graph break inside the compiled program
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    e, c, b, t = make(bias=True)
+    up = torch.rand(t.shape, generator=torch.Generator().manual_seed(4))
+    kw = dict(reduction="none", memory_budget=budget, impl="triton", softcap=4.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda e, c, b, t: linear_cross_entropy(e, c, t, b, **kw))
+    got = []
+    for fn in (compiled, lambda e, c, b, t: linear_cross_entropy(e, c, t, b, **kw)):
+        loss = fn(e, c, b, t)
+        got.append((loss.detach(), *torch.autograd.grad(loss, (e, c, b), up)))
+    for a, w in zip(*got):
+        assert torch.equal(a, w)

@@ -136,3 +136,25 @@ def test_errors_name_the_argument():
         token_logprobs(z, t.float())
     with pytest.raises(ValueError, match="ignore_index"):
         token_logprobs(z, t, ignore_index=-100.5)
+
+
+def test_torch_compile_matches_eager(impl):
+    # the Triton row kernels run as a graph break, the PyTorch backend is traced
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 41, generator=g).requires_grad_()
+    e = torch.randn(19, 24, generator=g).requires_grad_()
+    c = torch.randn(41, 24, generator=g).requires_grad_()
+    t = torch.randint(0, 41, (19,), generator=g)
+    a, b = torch.rand(19, generator=g), torch.rand(19, generator=g)
+    torch._dynamo.reset()
+    for fn, leaves in ((lambda x, e, c: token_logprobs(x, t, return_entropy=True), (x,)),
+                       (lambda x, e, c: linear_token_logprobs(e, c, t, return_entropy=True),
+                        (e, c))):
+        got = []
+        for f in (torch.compile(fn), fn):
+            out = f(x, e, c)
+            total = (a * out.log_probs + b * out.entropy).sum()
+            got.append((out.log_probs.detach(), out.entropy.detach(),
+                        *torch.autograd.grad(total, leaves)))
+        for u, w in zip(*got):
+            torch.testing.assert_close(u, w, atol=1e-6, rtol=1e-6)

@@ -386,4 +386,14 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
               smoothing=smoothing, z_loss=z_loss, backend=backend,
               strategy=strategy, chunk_bytes=chunk_bytes,
               seq_dim=0 if sequence_parallel else -2)
+    if backend is TorchBackend:  # plain PyTorch: Dynamo traces it into the graph
+        return _LinearCrossEntropy.apply(e, c, bias, targets, o)
+    return _untraced(e, c, bias, targets, o)
+
+
+@torch._dynamo.disable
+def _untraced(e, c, bias, targets, o: _Opts):
+    """The Triton backend outside torch.compile's graph (a graph break): Dynamo cannot trace
+    its kernels' host code (chunk loops, descriptors, saved tiles), so the compiled program
+    calls it as eager code would."""
     return _LinearCrossEntropy.apply(e, c, bias, targets, o)
