@@ -46,6 +46,10 @@ def use_checkout_package() -> None:
 
 
 # ------------------------------------------------------------------------------------- timing
+#: Timed calls per measurement at least, however long a call is.
+MIN_REPS = 5
+
+
 class Device:
     """Timing, synchronisation and memory statistics for CUDA, with a CPU stand-in.
 
@@ -102,7 +106,8 @@ class Device:
 
     def bench(self, fn: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 100) -> float:
         """Median ms of ``fn`` with the L2 flushed before each call, the number of calls sized
-        to ``warmup_ms`` and ``rep_ms`` from a first estimate (as ``triton.testing.do_bench``).
+        to ``warmup_ms`` and ``rep_ms`` from a first estimate (as ``triton.testing.do_bench``),
+        and at least ``MIN_REPS`` timed calls (a median of one or two ~100 ms steps is noise).
         On the CPU: one call, timed."""
         if not self.cuda:
             t0 = time.perf_counter()
@@ -120,7 +125,7 @@ class Device:
         for _ in range(max(1, int(warmup_ms / est))):
             fn()
         pairs = []
-        for _ in range(max(1, int(rep_ms / est))):
+        for _ in range(max(MIN_REPS, int(rep_ms / est))):
             self.flush_l2()
             a = self.stamp()
             fn()
