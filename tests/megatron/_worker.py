@@ -311,6 +311,8 @@ def check_fused_linear(ps):
         ("untied", False, False, dict(label_smoothing=0.1, z_loss=1e-3)),
         ("tied_sp", True, True, dict(label_smoothing=0.1, z_loss=1e-3)),
         ("untied_sp", False, True, {}),
+        # the default budget saves the logits tiles under the interpreter; 0 recomputes them
+        ("untied_sp_recompute", False, True, dict(memory_budget_gib=0.0)),
     ]
     with cpu_sequence_parallel():
         return _fused_linear_variants(variants, tokens, pos, labels, upstream, out)

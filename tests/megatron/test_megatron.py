@@ -46,11 +46,13 @@ def test_flags_parse():
     args = parser.parse_args([
         "--vocab-parallel-loss", "--vocab-parallel-loss-label-smoothing", "0.1",
         "--vocab-parallel-loss-z-loss", "1e-4", "--vocab-parallel-loss-inplace-backward",
-        "--vocab-parallel-loss-fused-linear",
+        "--vocab-parallel-loss-fused-linear", "--vocab-parallel-loss-memory-budget", "0.5",
     ])
     cfg = VocabParallelLossConfig.from_args(args)
     assert cfg == VocabParallelLossConfig(enabled=True, label_smoothing=0.1, z_loss=1e-4,
-                                          inplace_backward=True, fused_linear=True)
+                                          inplace_backward=True, fused_linear=True,
+                                          memory_budget_gib=0.5)
+    assert cfg.memory_budget == 512 << 20
     assert cfg.loss_kwargs() == dict(label_smoothing=0.1, ignore_index=-100, reduction="none",
                                      z_loss=1e-4, inplace_backward=True)
     default = VocabParallelLossConfig.from_args(parser.parse_args([]))
@@ -60,6 +62,9 @@ def test_flags_parse():
     assert VocabParallelLossConfig.from_args(argparse.Namespace()) == VocabParallelLossConfig()
     with pytest.raises(ValueError):
         VocabParallelLossConfig(label_smoothing=1.5)
+    with pytest.raises(ValueError, match="memory_budget"):
+        VocabParallelLossConfig(memory_budget_gib=-1.0)
+    assert default.memory_budget is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--vocab-parallel-loss-z-loss", "abc"])
 
@@ -142,7 +147,7 @@ def test_ten_training_steps_same_loss_curve(worker_results):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("variant", ["tied", "untied", "tied_sp", "untied_sp"])
+@pytest.mark.parametrize("variant", ["tied", "untied", "tied_sp", "untied_sp", "untied_sp_recompute"])
 def test_fused_linear_gpt_matches_unfused(worker_results, variant):
     """--vocab-parallel-loss-fused-linear: TP=2 GPTModel loss and every parameter gradient equal
     our loss on materialized logits (sequence parallelism in the _sp variants), in training and

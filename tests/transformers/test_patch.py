@@ -339,15 +339,19 @@ def _triton_on_cpu() -> bool:
 
 
 @pytest.mark.skipif(not _triton_on_cpu(), reason="needs Triton with TRITON_INTERPRET=1 on CPU")
-def test_triton_impl_under_interpreter():
+@pytest.mark.parametrize("memory_budget", [None, 0], ids=["saved-logits", "recompute"])
+def test_triton_impl_under_interpreter(memory_budget):
     model = make_model("gemma2", num_hidden_layers=1)
     ids, mask, labels = make_batch(batch=1)
     ref, ref_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
-    vh.patch(model, impl="triton")
+    vh.patch(model, impl="triton", memory_budget=memory_budget)
     got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
     assert got.logits is None
     assert abs(got.loss.item() - ref.loss.item()) <= LOSS_ATOL
     _assert_grads_close(ref_grads, got_grads)
+    vh.unpatch(model)
+    with pytest.raises(ValueError, match="memory_budget"):
+        vh.patch(model, memory_budget=-1)
 
 
 NEWER_FAMILIES = ["llama4_text", "deepseek_v3", "gemma3n_text", "qwen3_next", "qwen3_5_text",

@@ -31,6 +31,7 @@ def causal_lm_loss(
     impl: str = "auto",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    memory_budget: Optional[float] = None,
 ) -> torch.Tensor:
     """Loss of ``softcap(hidden_states @ weight.T + bias)`` against the shifted labels.
 
@@ -75,6 +76,7 @@ def causal_lm_loss(
         softcap=softcap,
         reduction=inner,
         impl=impl,
+        memory_budget=memory_budget,
         **extra,
     )
     if reduction == "none":

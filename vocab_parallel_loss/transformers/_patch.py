@@ -21,11 +21,12 @@ import inspect
 import types
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
 
+from .. import checks
 from ._loss import REDUCTIONS, causal_lm_loss
 
 # model_type -> (transformers.models submodule, causal-LM class names)
@@ -99,6 +100,7 @@ class PatchOptions:
     train_only: bool = False
     label_smoothing: float = 0.0
     z_loss: float = 0.0
+    memory_budget: Optional[float] = None
 
 
 def _unsupported(what: str) -> ValueError:
@@ -238,6 +240,7 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
             impl=options.impl,
             label_smoothing=options.label_smoothing,
             z_loss=options.z_loss,
+            memory_budget=options.memory_budget,
         )
         return _with_loss(out, _plus_router_loss(self, out, loss, options.reduction), return_dict)
 
@@ -288,15 +291,18 @@ def _is_stub_output(value) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.shape[-1] == 0
 
 
-def _check_options(reduction, impl, train_only, label_smoothing, z_loss) -> PatchOptions:
+def _check_options(reduction, impl, train_only, label_smoothing, z_loss,
+                   memory_budget) -> PatchOptions:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    checks.check_memory_budget(memory_budget)
     return PatchOptions(
         reduction=reduction,
         impl=impl,
         train_only=bool(train_only),
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
+        memory_budget=memory_budget,
     )
 
 
@@ -318,6 +324,7 @@ def patch(
     train_only: bool = False,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    memory_budget: Optional[float] = None,
 ):
     """Make a causal LM compute its training loss with ``linear_cross_entropy``.
 
@@ -334,10 +341,11 @@ def patch(
     ``linear_cross_entropy`` (``"auto"``, ``"triton"``, ``"torch"``). ``train_only=True`` keeps the
     original forward (with logits) in eval mode, e.g. for metrics that need logits.
     ``label_smoothing`` and ``z_loss`` are extras transformers' loss does not have (0 = off).
+    ``memory_budget``: ``linear_cross_entropy``'s (bytes; None: its default, 2 GiB).
 
     Returns the patched model (or, for a type string, the patched class).
     """
-    options = _check_options(reduction, impl, train_only, label_smoothing, z_loss)
+    options = _check_options(reduction, impl, train_only, label_smoothing, z_loss, memory_budget)
     if isinstance(model_or_model_type, str):
         model_type = model_or_model_type
         if model_type not in _FAMILIES:
