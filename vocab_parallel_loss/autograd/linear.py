@@ -6,8 +6,10 @@ exponentials, target logit, sum of logits); one all-gather of those ``4 x N`` fl
 group and a merge give the full-vocabulary lse and loss on every rank. Saved for backward: the
 inputs, the flat targets and the lse (O(N)).
 
-Backward: recompute the logits chunk by chunk, form ``dlogits`` from the saved lse, and
-accumulate ``dE`` and ``dC`` in fp32. ``dC`` is local. ``dE`` is summed over the TP group in
+Backward, by the strategy ``memory_budget`` allows (``_strategy``): from the logits tiles the
+forward saved (6NHV), from gradients already formed in forward (scalar losses, 6NHV), or by
+recomputing the logits chunk by chunk (8NHV); each forms ``dlogits`` from the saved lse and
+accumulates ``dE`` and ``dC`` in fp32. ``dC`` is local. ``dE`` is summed over the TP group in
 fp32 (all-reduce; with ``sequence_parallel`` a reduce-scatter back to the sequence shard) and
 rounded once to the input dtype.
 
@@ -339,8 +341,8 @@ DEFAULT_MEMORY_BUDGET = 2 << 30
 def _strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group, softcap,
               smoothing: float, memory_budget):
     """``(strategy, recompute chunk bytes or None)``: the fastest way to form the gradients
-    whose extra memory fits ``memory_budget`` bytes (docs/design.md, "Fused linear
-    strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies.
+    whose extra memory fits ``memory_budget`` bytes (docs/design.md, section 7,
+    "Strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies.
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""

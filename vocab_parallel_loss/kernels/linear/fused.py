@@ -116,9 +116,10 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
 
 
 @triton.jit
-def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
-               HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Fold the fp32 logits tile ``x`` of vocabulary tile ``vt`` into the online statistics."""
+def _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The logits the loss sees of the fp32 tile ``x`` of vocabulary tile ``vt`` (bias,
+    softcap; -inf past V), with the target logit and the sum of logits folded in."""
     cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     if HAS_BIAS:
@@ -131,7 +132,15 @@ def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.cons
     tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
     if NEED_SUMX:
         sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
-    x = tl.where(col_mask[None, :], x, float("-inf"))
+    return tl.where(col_mask[None, :], x, float("-inf")), tg, sx
+
+
+@triton.jit
+def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Fold the fp32 logits tile ``x`` of vocabulary tile ``vt`` into the online statistics."""
+    x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
+                             NEED_SUMX, BLOCK_V)
     m_new = tl.maximum(m, tl.max(x, axis=1))
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
     return m_new, s, tg, sx
@@ -144,26 +153,18 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
     """``_fold_tile`` that also saves the tile for backward: ``u = exp(x - mt)`` in U's dtype
     (in (0, 1], so bf16 keeps 8 bits of every probability) and the tile's row max ``mt`` in
     ``MT[vt, rows]``; the statistics are folded from the fp32 values."""
+    x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
+                             NEED_SUMX, BLOCK_V)
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
-    col_mask = cols < V
-    if HAS_BIAS:
-        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
-        x += b[None, :]
-    if HAS_SOFTCAP:
-        x = softcap * tanh(x / softcap)
-    tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
-    if NEED_SUMX:
-        sx += tl.sum(tl.where(col_mask[None, :], x, 0.0), axis=1)
-    x = tl.where(col_mask[None, :], x, float("-inf"))
     mt = tl.max(x, axis=1)
     u = tl.exp(x - mt[:, None])
     if DESC_U:  # the copy engine stores the tile asynchronously and clips it at (N, V)
         U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
     else:
+        cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
         u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
-        tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+        tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & (cols < V)[None, :])
     tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=row_mask)
     m_new = tl.maximum(m, mt)
     s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mt - m_new)

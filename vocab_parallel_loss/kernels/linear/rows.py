@@ -1,4 +1,4 @@
-"""The grad-in-forward path of the fused linear loss (``LCEConfig.grad_in_forward``): for a
+"""The grad-in-forward strategy of the fused linear loss (``LCEConfig.strategy``): for a
 scalar loss, chunks of ``gif_rows`` rows get fp32 logits over the whole local vocabulary
 (``chunk_logits``, one GEMM), a row kernel reduces them to statistics (``rows_stats``) and,
 once the caller has merged those across the TP group, another overwrites them with ``dz``
