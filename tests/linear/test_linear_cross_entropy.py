@@ -490,15 +490,17 @@ def test_strategy_follows_memory_budget(monkeypatch):
         return lce_mod._strategy(K, e, c, None, reduction, False, None, softcap, smoothing,
                                  budget)
 
-    assert pick(None) == ("saved", None)
-    assert pick(saved) == ("saved", None)
-    assert pick(saved - 1) == ("grad_in_forward", None)
-    assert pick(0) == ("recompute", 1)  # too small for any chunk: the narrowest
+    assert pick(None) == ("saved", None, None)
+    assert pick(saved) == ("saved", None, None)
+    assert pick(saved - 1) == ("grad_in_forward", None, None)
+    # per token: the first tiles saved, the rest recomputed into the fp32 dE
+    assert pick(saved - 1, "none") == ("saved", None, cfg.fwd_block_v)
+    assert pick(0) == ("recompute", 1, None)  # too small for any chunk: the narrowest
     # smoothing through a softcap needs every logit: the saved probabilities lack them
     assert pick(None, softcap=3.0, smoothing=0.1)[0] == "grad_in_forward"
     assert pick(None, "none", softcap=3.0, smoothing=0.1)[0] == "recompute"
     with torch.no_grad():
-        assert pick(None) == ("recompute", None)
+        assert pick(None) == ("recompute", None, None)
     with pytest.raises(ValueError, match="memory_budget"):
         linear_cross_entropy(e, c, t, memory_budget=-1)
     for bad in ("1GiB", True):
@@ -506,11 +508,30 @@ def test_strategy_follows_memory_budget(monkeypatch):
             linear_cross_entropy(e, c, t, memory_budget=bad)
 
 
-@pytest.mark.parametrize("budget", [None, 0])
-def test_memory_budget_results_agree(budget):
+def _one_saved_tile_budget(n, h, v, size):
+    """The budget that saves one tile of the logits and recomputes the rest."""
+    cfg = K.INTERPRET_CONFIG
+    block = cfg.bwd_block_v
+    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    return n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, size, cfg)
+
+
+@pytest.mark.parametrize("budget", [None, 0, "one-tile"])
+def test_memory_budget_results_agree(budget, monkeypatch):
     # every strategy against the oracle, with the budget passed the way users pass it
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    if budget == "one-tile":  # 200 rows of H = 8: the saved tiles outweigh the fp32 dE
+        e, c, _, _ = make(n=200, h=8)
+        budget = _one_saved_tile_budget(200, 8, 53, 4)
+        assert lce_mod._strategy(K, e, c, None, "none", False, None, None, 0.0, budget) == (
+            "saved", None, K.INTERPRET_CONFIG.fwd_block_v)
+        check("triton", torch.float32, reduction="none", upstream=True, bias=True,
+              softcap=3.0, memory_budget=budget, n=200, h=8)
+        check("triton", torch.bfloat16, reduction="none", upstream=True, bias=True,
+              memory_budget=_one_saved_tile_budget(200, 8, 53, 2), lead=(4, 50), shift=1, h=8)
+        return
     check("triton", torch.float32, reduction="none", upstream=True, bias=True, memory_budget=budget)
     check("triton", torch.bfloat16, reduction="mean", label_smoothing=0.1, memory_budget=budget)
 

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from .. import communication
-from ..formulas import merge_stats, relative_sums, token_loss
+from ..formulas import merge_partial_stats, merge_stats, relative_sums, token_loss
 from ..reference.linear import TorchBackend
 from ..runtime import compiling
 from . import compiled_ops
@@ -50,6 +50,7 @@ class _Opts:
     backend: object
     strategy: str = "recompute"  # "saved", "grad_in_forward" or "recompute" (``_strategy``)
     chunk_bytes: Optional[int] = None  # the recompute path's dlogits chunk, when the budget caps it
+    saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
 
 
@@ -144,10 +145,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                                             v_offset, shapes)
         else:
             if o.strategy == "saved":
-                cfg = o.backend.default_config(e2.device)
-                saved = o.backend.saved_tiles(e2.shape[0], v_local, e2.dtype, e2.device, cfg)
-                stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
-                                                o.smoothing > 0, config=cfg, saved=saved)
+                stats, saved = _forward_saving(e2, c, bias, t2, v_offset, o)
                 ctx.tile_v = saved.block_v
             else:
                 stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
@@ -202,12 +200,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None,
                          x_t=x_t)
-            cfg = o.backend.default_config(e.device)
-            # without TP dE is final: round it once straight into the input dtype
-            de_dtype = e.dtype if communication.world_size(o.group) == 1 else torch.float32
-            de32, dc, db = o.backend.backward_saved(
-                o.backend.SavedTiles(u, tile_max, ctx.tile_v), e2, c, need_db, t2,
-                v_offset, coef, o.softcap, need_de, need_dc, de_dtype, cfg)
+            de32, dc, db = _backward_saved(o.backend.SavedTiles(u, tile_max, ctx.tile_v), e2,
+                                           c, bias, t2, v_offset, coef, o, need_de, need_dc,
+                                           need_db)
         elif o.strategy == "grad_in_forward":
             de_f, dc_f, db_f = kept
             # gradients of the loss were formed in forward with an upstream gradient of 1
@@ -256,6 +251,50 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if db is not None:
             db = db.to(bias.dtype)
         return de, dc, db, None, None
+
+
+def _forward_saving(e2, c, bias, t2, v_offset: int, o: _Opts):
+    """Local statistics ``(4, N)`` of the saved-tiles strategy and the tiles it saves: all
+    columns, or the first ``o.saved_cols`` (the rest get statistics only, merged in)."""
+    K = o.backend
+    cfg = K.default_config(e2.device)
+    v = c.shape[0]
+    vs = v if o.saved_cols is None else o.saved_cols
+    saved = K.saved_tiles(e2.shape[0], vs, e2.dtype, e2.device, cfg)
+    stats = K.forward_stats(e2, c[:vs], None if bias is None else bias[:vs], t2, v_offset,
+                            o.softcap, o.smoothing > 0, config=cfg, saved=saved)
+    if vs < v:
+        rest = K.forward_stats(e2, c[vs:], None if bias is None else bias[vs:], t2,
+                               v_offset + vs, o.softcap, o.smoothing > 0, config=cfg)
+        stats = torch.stack(merge_partial_stats(torch.stack([stats, rest])))
+    return stats, saved
+
+
+def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_de: bool,
+                    need_dc: bool, need_db: bool):
+    """Gradients of the saved-tiles strategy: from the saved columns, then, when only the first
+    ones were saved, the rest recomputed into the same fp32 dE. Returns ``(dE, dC, dbias)``
+    with dE in the input dtype where it is final already (all columns saved, no TP)."""
+    K = o.backend
+    cfg = K.default_config(e2.device)
+    v = c.shape[0]
+    vs = saved.u.shape[1]
+    whole = vs == v
+    # without TP and recomputed columns dE is final: round it once straight into the input dtype
+    de_dtype = (e2.dtype if whole and communication.world_size(o.group) == 1
+                else torch.float32)
+    dc = torch.empty_like(c, memory_format=torch.contiguous_format) if need_dc else None
+    de, _, db = K.backward_saved(saved, e2, c[:vs], need_db, t2, v_offset, coef, o.softcap,
+                                 need_de, need_dc, de_dtype, cfg,
+                                 dc_out=None if dc is None else dc[:vs])
+    if whole:
+        return de, dc, db
+    _, _, db_rest = K.backward(
+        e2, c[vs:], None if bias is None else bias[vs:], t2, v_offset + vs, coef[:4],
+        o.softcap, need_de, need_dc, need_db,
+        config=cfg.replace(chunk_bytes=o.chunk_bytes) if o.chunk_bytes else cfg, de_acc=de,
+        dc_out=None if dc is None else dc[vs:])
+    return de, dc, None if db is None else torch.cat([db, db_rest])
 
 
 def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
@@ -340,12 +379,22 @@ DEFAULT_MEMORY_BUDGET = 2 << 30
 
 def _strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group, softcap,
               smoothing: float, memory_budget):
-    """``(strategy, recompute chunk bytes or None)``: the fastest way to form the gradients
-    whose extra memory fits ``memory_budget`` bytes (docs/design.md, section 7,
-    "Strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies.
+    """``(strategy, recompute chunk bytes or None, saved columns or None)``: the fastest way to
+    form the gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md,
+    section 7, "Strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it
+    applies.
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""
+    strategy, chunk = _pick(backend, e, c, bias, reduction, sequence_parallel, group, softcap,
+                            smoothing, memory_budget)
+    if isinstance(strategy, tuple):  # ("saved", columns): the first columns only
+        return strategy[0], chunk, strategy[1]
+    return strategy, chunk, None
+
+
+def _pick(backend, e, c, bias, reduction, sequence_parallel, group, softcap, smoothing,
+          memory_budget):
     if backend is TorchBackend or not torch.is_grad_enabled():
         return "recompute", None
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
@@ -371,6 +420,13 @@ def _strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, grou
         return "grad_in_forward", None
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    if saved_ok and n:
+        # the first columns saved, the rest recomputed: 6NHV on the former, 8NHV on the latter
+        tile = cfg.fwd_block_v
+        per_tile = backend.saved_bytes(n, tile, size, cfg)
+        tiles = int((budget - de32 - chunk) // per_tile)
+        if tiles >= 1:
+            return ("saved", min(tiles * tile, v - 1)), None
     if chunk + de32 <= budget:
         return "recompute", None
     return "recompute", max(1, int(budget) - de32)  # the narrowest chunks: one tile wide at least
@@ -380,13 +436,14 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
                 shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float,
                 memory_budget=None):
     """The loss and per-token lse of checked arguments (``functional.linear_cross_entropy``)."""
-    strategy, chunk_bytes = _strategy(backend, e, c, bias, reduction, sequence_parallel, group,
-                                      softcap, smoothing, memory_budget)
+    strategy, chunk_bytes, saved_cols = _strategy(backend, e, c, bias, reduction,
+                                                  sequence_parallel, group, softcap, smoothing,
+                                                  memory_budget)
     o = _Opts(ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
               group=group,
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
               smoothing=smoothing, z_loss=z_loss, backend=backend,
-              strategy=strategy, chunk_bytes=chunk_bytes,
+              strategy=strategy, chunk_bytes=chunk_bytes, saved_cols=saved_cols,
               seq_dim=0 if sequence_parallel else -2)
     if backend is TorchBackend:  # plain PyTorch: Dynamo traces it into the graph
         return _LinearCrossEntropy.apply(e, c, bias, targets, o)

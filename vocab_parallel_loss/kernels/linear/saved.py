@@ -12,7 +12,9 @@ probability, as the bf16 ``dz`` that feeds the GEMMs keeps anyway; bf16 logits w
 ``|x| * 2**-9`` in the exponent (4% of a probability at ``|x| = 20``).
 
 Memory: ``N x V`` elements of the input dtype plus ``N x V / BLOCK_V`` fp32 tile maxima, held
-from forward to backward (``saved_bytes``).
+from forward to backward (``saved_bytes``). Under a smaller budget only the first columns are
+saved and backward recomputes the rest (``fused.backward``, 8NHV on those), adding into the same
+fp32 dE.
 """
 
 from __future__ import annotations
@@ -100,10 +102,10 @@ def _saved_dz_kernel(
 def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_needs_grad: bool,
                    targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
                    softcap: Optional[float], need_de: bool, need_dc: bool,
-                   de_dtype: torch.dtype, cfg: LCEConfig):
+                   de_dtype: torch.dtype, cfg: LCEConfig, dc_out: Optional[torch.Tensor] = None):
     """Gradients from saved tiles, which this consumes (``u`` becomes ``dz``). ``coef (5, N)``
-    (``_saved_dz_kernel``). Returns ``(dE (N, H) in de_dtype or None, dC in c.dtype or None,
-    dbias fp32 (V,) or None)``."""
+    (``_saved_dz_kernel``); ``c`` holds the saved columns. Returns ``(dE (N, H) in de_dtype or
+    None, dC in c.dtype or None (in ``dc_out`` when given), dbias fp32 (V,) or None)``."""
     n, h = e.shape
     v = c.shape[0]
     dz = saved.u
@@ -117,7 +119,8 @@ def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_nee
         de = torch.empty((n, h), dtype=de_dtype, device=e.device)
         gemm_store(de, dz, c, cfg)
     if need_dc:
-        dc = torch.empty_like(c, memory_format=torch.contiguous_format)
+        dc = dc_out if dc_out is not None else torch.empty_like(
+            c, memory_format=torch.contiguous_format)
         if n:
             gemm_store(dc, dz.t(), e, cfg)
         else:
