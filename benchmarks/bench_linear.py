@@ -3,6 +3,7 @@
     python benchmarks/bench_linear.py              # the table: N=16384, H=4096, V in {128256, 16032}
     python benchmarks/bench_linear.py --sweep      # tile sweep of ours first, then the table with the best
     python benchmarks/bench_linear.py --phases --sweep-vocab 16032 128256  # time per step first
+    python benchmarks/bench_linear.py --impls ours@0.5 ours@1 ours@2 ours@3 liger  # the front
     python benchmarks/bench_linear.py --config '{"fwd_block_v": 128}' --impls ours
     TRITON_INTERPRET=1 python benchmarks/bench_linear.py --smoke-cpu --n 64 --hidden 32 --vocab 301
 
@@ -147,6 +148,14 @@ PEERS = {
 }
 
 
+def make_peer(name: str):
+    """``PEERS[name]``, or ``ours@G``: ours with ``memory_budget`` of G GiB (a point of the
+    time-memory front between the strategies)."""
+    if name.startswith("ours@"):
+        return make_ours(memory_budget=float(name[5:]) * GiB)
+    return PEERS[name]()
+
+
 # ----------------------------------------------------------------------------------- helpers
 
 
@@ -192,7 +201,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
         ref = reference_loss(e.detach(), c.detach(), t)
         for name in impls:
             try:
-                fn = PEERS[name]()
+                fn = make_peer(name)
             except Exception as ex:  # not installed
                 msg = f"{name}: skipped ({type(ex).__name__}: {ex})"
                 if msg not in notes:
@@ -454,7 +463,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--impls", nargs="+",
                     default=["ours", "ours_saved", "ours_gif", "ours_recompute", "torch", "cce",
                              "liger", "quack"],
-                    choices=list(PEERS))
+                    help=f"any of {', '.join(PEERS)}, or ours@G: ours with memory_budget G GiB")
     ap.add_argument("--reductions", nargs="+", default=["mean", "none"])
     ap.add_argument("--config", default=None, help="JSON of LCEConfig fields for ours")
     ap.add_argument("--sweep", action="store_true", help="sweep our tile configs first")
@@ -472,6 +481,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def sweep_markdown(sweep_rows) -> str:
     lines = ["", "Sweep (ours; fwd = no-grad forward):", ""]
     lines += common.table(
@@ -485,6 +502,9 @@ def sweep_markdown(sweep_rows) -> str:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    for name in args.impls:
+        if name not in PEERS and not (name.startswith("ours@") and _is_number(name[5:])):
+            raise SystemExit(f"--impls: unknown {name!r}")
     global DEV
     DEV = Device("cpu" if args.smoke_cpu else "cuda")
     dev = DEV.torch
