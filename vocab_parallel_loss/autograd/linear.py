@@ -386,19 +386,10 @@ def _strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, grou
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""
-    strategy, chunk = _pick(backend, e, c, bias, reduction, sequence_parallel, group, softcap,
-                            smoothing, memory_budget)
-    if isinstance(strategy, tuple):  # ("saved", columns): the first columns only
-        return strategy[0], chunk, strategy[1]
-    return strategy, chunk, None
-
-
-def _pick(backend, e, c, bias, reduction, sequence_parallel, group, softcap, smoothing,
-          memory_budget):
     if backend is TorchBackend or not torch.is_grad_enabled():
-        return "recompute", None
+        return "recompute", None, None
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return "recompute", None  # forward only: statistics, nothing saved
+        return "recompute", None, None  # forward only: statistics, nothing saved
     cfg = backend.default_config(e.device)
     world = communication.world_size(group)
     h, v, size = e.shape[-1], c.shape[0], e.element_size()
@@ -409,15 +400,15 @@ def _pick(backend, e, c, bias, reduction, sequence_parallel, group, softcap, smo
     scalar = reduction != "none"
     if cfg.strategy != "auto":
         ok = {"saved": saved_ok, "grad_in_forward": scalar, "recompute": True}[cfg.strategy]
-        return (cfg.strategy if ok else "recompute"), None
+        return (cfg.strategy if ok else "recompute"), None, None
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
     if saved_ok and backend.saved_bytes(n, v, size, cfg) + (de32 if world > 1 else 0) <= budget:
-        return "saved", None
+        return "saved", None, None
     # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
     # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
     if scalar and world == 1 and backend.gif_extra_bytes(n, v, h, cfg) <= budget:
-        return "grad_in_forward", None
+        return "grad_in_forward", None, None
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
     if saved_ok and n:
@@ -426,10 +417,10 @@ def _pick(backend, e, c, bias, reduction, sequence_parallel, group, softcap, smo
         per_tile = backend.saved_bytes(n, tile, size, cfg)
         tiles = int((budget - de32 - chunk) // per_tile)
         if tiles >= 1:
-            return ("saved", min(tiles * tile, v - 1)), None
+            return "saved", None, min(tiles * tile, v - 1)
     if chunk + de32 <= budget:
-        return "recompute", None
-    return "recompute", max(1, int(budget) - de32)  # the narrowest chunks: one tile wide at least
+        return "recompute", None, None
+    return "recompute", max(1, int(budget) - de32), None  # the narrowest chunks: a tile wide
 
 
 def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, reduction: str,
