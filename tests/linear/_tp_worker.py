@@ -24,6 +24,7 @@ from tests._torchrun import end_worker, init_worker_process_group
 
 from tests.linear._lce_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
+from vocab_parallel_loss.autograd import linear as lce_autograd
 from vocab_parallel_loss.kernels import linear as K
 
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
@@ -80,6 +81,14 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
     bb = bias_full[rows].to(DEVICE, copy=True).requires_grad_() if bias else None
     kw = dict(reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap,
               shift=shift)
+    if budget == "one-tile":  # the first logits tile saved, the rest recomputed
+        cfg = K.default_config(DEVICE)
+        n, block = s * b, cfg.bwd_block_v
+        chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * 4)
+        budget = n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, 4, cfg)
+        picked = lce_autograd._strategy(K, e, c, None, reduction, sp, dist.group.WORLD, softcap,
+                                        smoothing, budget)
+        assert impl != "triton" or picked == ("saved", None, cfg.fwd_block_v), picked
     loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,
                                 sequence_parallel=sp, impl=impl, memory_budget=budget, **kw)
     g = up if reduction == "none" else torch.ones(())
@@ -117,6 +126,7 @@ CASES = [
     dict(reduction="none", softcap=4.0, bias=True, z_loss=1e-3, budget=0),
     dict(reduction="mean", sp=True, smoothing=0.1, bias=True, budget=0),
     dict(reduction="none", sp=True, shift=2, bias=True, budget=0),
+    dict(reduction="none", sp=True, bias=True, budget="one-tile", v_local=95, h=8),
     # gradients formed in forward: one stats all-gather per row chunk
     dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
     dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),
