@@ -33,7 +33,8 @@ parsed but the model that trains does not compute its loss with this package, th
 raises :class:`VocabParallelLossNotWiredError` (:mod:`.guard`). megatron-core itself is not patched.
 """
 
-from .config import VocabParallelLossConfig, add_vocab_parallel_loss_args, with_vocab_parallel_loss_args
+from .config import VocabParallelLossConfig
+from .flags import add_vocab_parallel_loss_args, with_vocab_parallel_loss_args
 from .guard import VocabParallelLossNotWiredError
 from .model import (
     VocabParallelLossGPTModel,

@@ -1,10 +1,9 @@
-"""Command-line flags (Megatron-LM ``extra_args_provider`` contract) and their config dataclass."""
+"""The settings of the vocab-parallel loss inside a Megatron model (``flags.py`` parses them)."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Dict, Optional
 
 from .. import checks
 
@@ -79,75 +78,3 @@ class VocabParallelLossConfig:
             z_loss=self.z_loss,
             inplace_backward=self.inplace_backward,
         )
-
-
-def with_vocab_parallel_loss_args(
-    other: Optional[Callable[[argparse.ArgumentParser], argparse.ArgumentParser]] = None,
-) -> Callable[[argparse.ArgumentParser], argparse.ArgumentParser]:
-    """A Megatron-LM ``extra_args_provider`` adding ``other``'s flags (when not None) and ours:
-    ``extra_args_provider=with_vocab_parallel_loss_args(add_modelopt_args if has_nvidia_modelopt else None)``.
-    """
-
-    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        if other is not None:
-            parser = other(parser)
-        return add_vocab_parallel_loss_args(parser)
-
-    return provider
-
-
-def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``--vocab-parallel-loss*`` flags; Megatron-LM ``extra_args_provider`` contract;
-    returns ``parser``. :func:`with_vocab_parallel_loss_args` chains another provider.
-
-    Also arms the check that a ``--vocab-parallel-loss`` run really trains with this package's
-    loss (:mod:`vocab_parallel_loss.megatron.guard`).
-    """
-    from . import guard
-
-    guard.arm()
-    group = parser.add_argument_group(
-        title="vocab parallel loss", description="exact vocab-parallel cross entropy (vocab_parallel_loss)"
-    )
-    group.add_argument(
-        "--vocab-parallel-loss",
-        action="store_true",
-        help="Compute the language-model loss with vocab_parallel_loss.VocabParallelCrossEntropy.",
-    )
-    group.add_argument(
-        "--vocab-parallel-loss-label-smoothing",
-        type=float,
-        default=0.0,
-        help="Label smoothing over the global vocabulary (PyTorch's convention).",
-    )
-    group.add_argument(
-        "--vocab-parallel-loss-z-loss",
-        type=float,
-        default=0.0,
-        help="z-loss weight: adds z * logsumexp(logits)^2 to every token's loss.",
-    )
-    group.add_argument(
-        "--vocab-parallel-loss-inplace-backward",
-        action="store_true",
-        help="Write the logits' gradient into the logits buffer (saves one logits-sized buffer).",
-    )
-    group.add_argument(
-        "--vocab-parallel-loss-fused-linear",
-        action="store_true",
-        help="Fuse the output layer with the loss (the logits are never materialized).",
-    )
-    group.add_argument(
-        "--vocab-parallel-loss-memory-budget",
-        type=float,
-        default=None,
-        help="GiB the fused linear loss may hold beyond its inputs and gradients; it takes the "
-             "fastest strategy that fits (default 2: the logits saved for backward up to that "
-             "size, else recomputed).",
-    )
-    group.add_argument(
-        "--vocab-parallel-loss-ignore-index",
-        type=int,
-        default=-100,
-        help="Label value that contributes no loss and no gradient.",
-    )
-    return parser
