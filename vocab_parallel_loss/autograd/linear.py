@@ -32,7 +32,7 @@ import torch
 from .. import communication
 from ..formulas import merge_partial_stats, merge_stats, relative_sums, token_loss
 from ..reference.linear import TorchBackend
-from ..runtime import compiling
+from ..runtime import compiling, untraced
 from . import compiled_ops
 from .first_order import refuse_double_backward
 
@@ -292,7 +292,7 @@ def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_
     _, _, db_rest = K.backward(
         e2, c[vs:], None if bias is None else bias[vs:], t2, v_offset + vs, coef[:4],
         o.softcap, need_de, need_dc, need_db,
-        config=cfg.replace(chunk_bytes=o.chunk_bytes) if o.chunk_bytes else cfg, de_acc=de,
+        config=cfg, de_acc=de,
         dc_out=None if dc is None else dc[vs:])
     return de, dc, None if db is None else torch.cat([db, db_rest])
 
@@ -438,12 +438,4 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
               seq_dim=0 if sequence_parallel else -2)
     if backend is TorchBackend:  # plain PyTorch: Dynamo traces it into the graph
         return _LinearCrossEntropy.apply(e, c, bias, targets, o)
-    return _untraced(e, c, bias, targets, o)
-
-
-@torch._dynamo.disable
-def _untraced(e, c, bias, targets, o: _Opts):
-    """The Triton backend outside torch.compile's graph (a graph break): Dynamo cannot trace
-    its kernels' host code (chunk loops, descriptors, saved tiles), so the compiled program
-    calls it as eager code would."""
-    return _LinearCrossEntropy.apply(e, c, bias, targets, o)
+    return untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o)

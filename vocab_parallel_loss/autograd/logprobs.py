@@ -22,6 +22,7 @@ from .. import communication
 from ..formulas import logprob_and_entropy, merge_logprob_stats
 from ..layout import RowView, like_rows, row_view
 from ..reference import logprobs as torch_rows
+from ..runtime import untraced
 
 #: Bytes of one fp32 column chunk of logits in the hidden-state path (its dz in the input dtype
 #: is half of it again): 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
@@ -128,18 +129,11 @@ class _FromLogits(torch.autograd.Function):
         return dview.tensor, None, None, None
 
 
-@torch._dynamo.disable
-def _untraced(fn, *args):
-    """``fn(*args)`` outside torch.compile's graph (a graph break): Dynamo cannot trace the
-    Triton row kernels' host code; the PyTorch row backend is traced."""
-    return fn(*args)
-
-
 def from_logits(logits, t, inv_t, o: Options):
     """``(log_probs, entropy, argmax)`` flat, from this rank's logits shard."""
     if o.rows is torch_rows:
         return _FromLogits.apply(logits, t, inv_t, o)
-    return _untraced(_FromLogits.apply, logits, t, inv_t, o)
+    return untraced(_FromLogits.apply, logits, t, inv_t, o)
 
 
 def _chunk_cols(n: int, v: int, elem: int) -> int:
@@ -230,4 +224,4 @@ def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, gemm)
     args = (e, c, bias, t, inv_t, o, sequence_parallel, gemm)
     if o.rows is torch_rows:
         return _FromHidden.apply(*args)
-    return _untraced(_FromHidden.apply, *args)
+    return untraced(_FromHidden.apply, *args)
