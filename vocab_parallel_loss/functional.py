@@ -13,6 +13,7 @@ from . import backends, checks, communication, settings
 from .autograd import compiled_ops
 from .autograd import linear as linear_autograd
 from .autograd import logits as logits_autograd
+from .autograd import linear_logprobs as linear_logprobs_autograd
 from .autograd import logprobs as logprobs_autograd
 from .reference import logprobs as torch_logprobs
 from .backends import IMPLS
@@ -232,9 +233,11 @@ def linear_token_logprobs(
     softcap: Optional[float] = None,
     logit_scale: float = 1.0,
     impl: str = "auto",
+    memory_budget: Optional[int] = None,
 ) -> "logprobs_autograd.TokenLogprobs":
     """``token_logprobs`` of the logits ``cap(logit_scale * (hidden @ weight.T + bias))``
-    without materializing them: the logits exist one fp32 column chunk at a time.
+    without materializing them: the Triton kernels form them tile by tile (the fused linear
+    engine of ``linear_cross_entropy``), PyTorch one fp32 column chunk at a time.
 
     ``hidden`` is ``(..., H)``; with ``sequence_parallel=True`` this rank's shard of dim 0
     (Megatron's ``[s/tp, b, h]``), gathered over ``tp_group`` inside, its gradient
@@ -242,7 +245,10 @@ def linear_token_logprobs(
     (gathered) leading shape of ``hidden``. ``softcap`` applies ``softcap * tanh(y / softcap)``.
     The gradient of ``weight`` (and ``bias``) is this rank's slice, rounded once; the gradient of
     ``hidden`` is summed over the group in fp32 and rounded once. ``impl``: ``"triton"``,
-    ``"torch"`` or ``"auto"``.
+    ``"torch"`` or ``"auto"``. ``memory_budget``: bytes of extra device memory the Triton path
+    may hold from forward to backward, as for ``linear_cross_entropy`` (default 2 GiB; 0 for
+    the least memory; with the saved-tiles strategy a second backward through the same outputs
+    raises).
     """
     checks.check_float("hidden", hidden)
     checks.check_float("weight", weight)
@@ -271,9 +277,13 @@ def linear_token_logprobs(
     o = _logprob_options(tp_group, weight.shape[0], vocab_range, ignore_index,
                          float(logit_scale), None if softcap is None else float(softcap),
                          _rows_backend(kernels, hidden.dtype), hidden.device)
+    checks.check_memory_budget(memory_budget)
     inv_t = _inverse_temperature(temperature, target, hidden)
-    gemm = backends.triton_logprobs.KernelGemm if kernels else torch_logprobs.TorchGemm
-    lp, ent, col = logprobs_autograd.from_hidden(hidden, weight, bias, t, inv_t, o, sp, gemm)
+    if kernels:
+        lp, ent, col = linear_logprobs_autograd.from_hidden(
+            hidden, weight, bias, t, inv_t, o, sp, bool(return_argmax), memory_budget)
+    else:
+        lp, ent, col = logprobs_autograd.from_hidden(hidden, weight, bias, t, inv_t, o, sp)
     return _shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
 
 

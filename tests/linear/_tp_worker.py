@@ -24,7 +24,7 @@ from tests._torchrun import end_worker, init_worker_process_group
 
 from tests.linear._lce_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
-from vocab_parallel_loss.autograd import linear as lce_autograd
+from vocab_parallel_loss.autograd import strategy as strategy_mod
 from vocab_parallel_loss.kernels import linear as K
 
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
@@ -86,7 +86,7 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
         n, block = s * b, cfg.bwd_block_v
         chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * 4)
         budget = n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, 4, cfg)
-        picked = lce_autograd._strategy(K, e, c, None, reduction, sp, dist.group.WORLD, softcap,
+        picked = strategy_mod.choose_strategy(K, e, c, None, reduction, sp, dist.group.WORLD, softcap,
                                         smoothing, budget)
         assert impl != "triton" or picked == ("saved", None, cfg.fwd_block_v), picked
     loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,

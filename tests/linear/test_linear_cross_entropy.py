@@ -21,6 +21,7 @@ from vocab_parallel_loss.reference.linear import TorchBackend
 from vocab_parallel_loss.settings import interpreting
 
 lce_mod = importlib.import_module("vocab_parallel_loss.autograd.linear")
+strategy_mod = importlib.import_module("vocab_parallel_loss.autograd.strategy")
 K = backends.triton_linear
 KC = K.config if K is not None else None  # default_config reads OVERRIDE_CONFIG here
 KF = K.fused if K is not None else None
@@ -487,8 +488,8 @@ def test_strategy_follows_memory_budget(monkeypatch):
     assert gif < saved
 
     def pick(budget, reduction="mean", softcap=None, smoothing=0.0):
-        return lce_mod._strategy(K, e, c, None, reduction, False, None, softcap, smoothing,
-                                 budget)
+        return strategy_mod.choose_strategy(K, e, c, None, reduction, False, None, softcap,
+                                            smoothing, budget)
 
     assert pick(None) == ("saved", None, None)
     assert pick(saved) == ("saved", None, None)
@@ -525,8 +526,9 @@ def test_memory_budget_results_agree(budget, monkeypatch):
     if budget == "one-tile":  # 200 rows of H = 8: the saved tiles outweigh the fp32 dE
         e, c, _, _ = make(n=200, h=8)
         budget = _one_saved_tile_budget(200, 8, 53, 4)
-        assert lce_mod._strategy(K, e, c, None, "none", False, None, None, 0.0, budget) == (
-            "saved", None, K.INTERPRET_CONFIG.fwd_block_v)
+        picked = strategy_mod.choose_strategy(K, e, c, None, "none", False, None, None, 0.0,
+                                              budget)
+        assert picked == ("saved", None, K.INTERPRET_CONFIG.fwd_block_v)
         check("triton", torch.float32, reduction="none", upstream=True, bias=True,
               softcap=3.0, memory_budget=budget, n=200, h=8)
         check("triton", torch.bfloat16, reduction="none", upstream=True, bias=True,

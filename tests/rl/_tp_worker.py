@@ -4,7 +4,7 @@ Every rank builds the same full inputs (fixed seed) and keeps its shard: the out
 full-vocabulary values, bitwise equal on every rank; the logits' (and weight's) gradient is its
 slice of the full gradient, the hidden states' the full one (or its sequence slice). Cases: equal
 shards, unequal shards through ``vocab_range`` (the last rank's shard padded), sequence
-parallelism. Prints ``N log-prob cases passed on W ranks``.
+parallelism; the hidden-state path under each strategy of the fused engine. Prints ``N log-prob cases passed on W ranks``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import torch.distributed as dist
 from tests._torchrun import end_worker, init_worker_process_group
 from tests.rl._oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
+from vocab_parallel_loss.autograd.strategy import choose_strategy
+from vocab_parallel_loss.kernels import linear as K
 
 
 def same_on_every_rank(t):
@@ -69,29 +71,49 @@ def case_logits(unequal, per_token_t):
     assert torch.all(local.grad[..., stop - start:] == 0)
 
 
-def case_hidden(sp):
+def case_hidden(sp, unequal, budget):
+    """The fused path under TP: ``budget`` "saved" (every tile), "split" (the first tile saved,
+    the rest recomputed) or "recompute" (``memory_budget=0``; the PyTorch backend ignores it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    s, b, h, v_local = 2 * world, 3, 8, 7
+    s, b, h, v_local = 2 * world, 3, 8, 37
+    vocab = v_local * world - (2 if unequal else 0)  # unequal: the last rank holds 2 padding rows
     g = torch.Generator().manual_seed(6)
     e = torch.randn(s, b, h, generator=g, dtype=torch.float64)
     c = torch.randn(v_local * world, h, generator=g, dtype=torch.float64) * 0.5
-    t = torch.randint(0, v_local * world, (s, b), generator=g)
+    t = torch.randint(0, vocab, (s, b), generator=g)
     t[0, 0] = -100
     g_lp, g_ent = torch.randn(s, b, generator=g), torch.randn(s, b, generator=g)
     rows = slice(rank * (s // world), (rank + 1) * (s // world))
+    start, stop = rank * v_local, min(vocab, (rank + 1) * v_local)
     e_mine = (e[rows] if sp else e).float().requires_grad_()
-    c_mine = c[rank * v_local:(rank + 1) * v_local].float().requires_grad_()
+    c_mine = c[start:start + v_local].float().requires_grad_()
+    memory_budget = None
+    if budget != "saved":
+        cfg = K.default_config(e_mine.device)
+        n, block = s * b, cfg.bwd_block_v
+        chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * 4)
+        memory_budget = (0 if budget == "recompute"
+                         else n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, 4, cfg))
+        if budget == "split" and backends.triton_runs(e_mine):
+            picked = choose_strategy(K, e_mine, c_mine, None, "none", sp, dist.group.WORLD,
+                                     None, 0.0, memory_budget)
+            assert picked == ("saved", None, cfg.fwd_block_v), picked
     out = linear_token_logprobs(e_mine, c_mine, t, tp_group=dist.group.WORLD,
-                                sequence_parallel=sp, temperature=0.8, return_entropy=True)
-    same_on_every_rank(out.log_probs)
+                                sequence_parallel=sp, temperature=0.8, return_entropy=True,
+                                return_argmax=True, memory_budget=memory_budget,
+                                vocab_range=(start, stop) if unequal else None)
+    for x in out:
+        same_on_every_rank(x)
     e64, c64 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    lp, ent, _ = oracle(e64 @ c64.t(), t, 0.8)
+    lp, ent, am = oracle(e64 @ c64.t(), t, 0.8, valid=vocab)
     close("log_probs", out.log_probs, lp.detach())
     close("entropy", out.entropy, ent.detach())
+    assert torch.equal(out.argmax, am)
     ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
     ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
     close("dE", e_mine.grad, e64.grad[rows] if sp else e64.grad, 1e-4)
-    close("dC", c_mine.grad, c64.grad[rank * v_local:(rank + 1) * v_local], 1e-4)
+    close("dC", c_mine.grad[:stop - start], c64.grad[start:stop], 1e-4)
+    assert torch.all(c_mine.grad[stop - start:] == 0)
 
 
 def main():
@@ -103,8 +125,9 @@ def main():
             for per_token_t in (False, True):
                 case_logits(unequal, per_token_t)
                 n += 1
-        for sp in (False, True):
-            case_hidden(sp)
+        for sp, unequal, budget in ((False, False, "saved"), (True, False, "split"),
+                                    (True, True, "recompute"), (False, True, "split")):
+            case_hidden(sp, unequal, budget)
             n += 1
     dist.barrier()  # no rank tears gloo down while another still sends
     if dist.get_rank() == 0:

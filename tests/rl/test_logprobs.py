@@ -158,3 +158,114 @@ def test_torch_compile_matches_eager(impl):
                         *torch.autograd.grad(total, leaves)))
         for u, w in zip(*got):
             torch.testing.assert_close(u, w, atol=1e-6, rtol=1e-6)
+
+
+def _kernels_or_skip():
+    from vocab_parallel_loss import backends
+    from vocab_parallel_loss.settings import interpreting
+
+    if backends.triton_linear is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    return backends.triton_linear
+
+
+def _one_saved_tile_budget(K, n, h, v_local, size):
+    """The budget that saves the first tile of the logits and recomputes the rest."""
+    cfg = K.INTERPRET_CONFIG
+    block = cfg.bwd_block_v
+    chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * size)
+    return n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, size, cfg)
+
+
+@pytest.mark.parametrize("plan", ["saved", "split", "recompute"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_strategies_match_oracle(plan, dtype, monkeypatch):
+    # the Triton path runs the fused linear engine: every strategy memory_budget can pick,
+    # with a per-token temperature, softcap, logit scale, bias and vocabulary padding
+    K = _kernels_or_skip()
+    from vocab_parallel_loss.autograd.strategy import choose_strategy
+    from vocab_parallel_loss.kernels.linear import config as KC
+
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    g = torch.Generator().manual_seed(7)
+    n, h, v_local, valid = 50, 8, 75, 70
+    e = torch.randn(2, n // 2, h, generator=g).to(dtype).requires_grad_()
+    c = torch.randn(v_local, h, generator=g).to(dtype)
+    c[valid:] = 1e4  # padding rows: never part of any output
+    c.requires_grad_()
+    b = (torch.randn(v_local, generator=g) * 0.3).to(dtype).requires_grad_()
+    t = torch.randint(0, valid, (2, n // 2), generator=g)
+    t[0, 3] = -100
+    temp = torch.rand(2, n // 2, generator=g) + 0.5
+    size = e.element_size()
+    budget = {"saved": None, "recompute": 0,
+              "split": _one_saved_tile_budget(K, n, h, v_local, size)}[plan]
+    want_plan = {"saved": ("saved", None, None), "recompute": ("recompute", 1, None),
+                 "split": ("saved", None, K.INTERPRET_CONFIG.fwd_block_v)}[plan]
+    assert choose_strategy(K, e, c, b, "none", False, None, 5.0, 0.0, budget) == want_plan
+    out = linear_token_logprobs(e, c, t, b, temperature=temp, softcap=5.0, logit_scale=0.5,
+                                return_entropy=True, return_argmax=True,
+                                vocab_range=(0, valid), memory_budget=budget, impl="triton")
+    ins64 = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    z64 = ins64[0] @ ins64[1].t() + ins64[2]
+    lp, ent, am = oracle(z64, t, temp.double(), softcap=5.0, scale=0.5, valid=valid)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.log_probs.double(), lp.detach(), atol=tol * 10, rtol=tol * 10)
+    torch.testing.assert_close(out.entropy.double(), ent.detach(), atol=tol * 10, rtol=tol * 10)
+    assert torch.equal(out.argmax, am)
+    g_lp, g_ent = torch.randn(2, n // 2, generator=g), torch.randn(2, n // 2, generator=g)
+    got = _grads((out.log_probs, out.entropy), (e, c, b), g_lp, g_ent)
+    want = _grads((lp, ent), ins64, g_lp.double(), g_ent.double())
+    for name, a, w in zip(("hidden", "weight", "bias"), got, want):
+        assert a.dtype == dtype, name
+        torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    assert torch.all(got[1][valid:] == 0) and torch.all(got[2][valid:] == 0)
+
+
+def test_fused_argmax_ties_take_the_first_column(monkeypatch):
+    # equal logits across tiles and forward splits: the lowest column wins, as torch.argmax
+    K = _kernels_or_skip()
+    from vocab_parallel_loss.kernels.linear import config as KC
+
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    e = torch.ones(3, 4)
+    c = torch.zeros(100, 4)
+    c[[5, 40, 90]] = 1.0  # three tied maxima in different 32-column tiles
+    c[70] = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    t = torch.tensor([5, 40, 1])
+    out = linear_token_logprobs(e, c, t, return_argmax=True, impl="triton")
+    assert out.argmax.tolist() == [5, 5, 5]
+
+
+def test_fused_saved_tiles_second_backward_is_a_clear_error(monkeypatch):
+    K = _kernels_or_skip()
+    from vocab_parallel_loss.kernels.linear import config as KC
+
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    g = torch.Generator().manual_seed(8)
+    e = torch.randn(9, 8, generator=g, requires_grad=True)
+    c = torch.randn(40, 8, generator=g, requires_grad=True)
+    t = torch.randint(0, 40, (9,), generator=g)
+    out = linear_token_logprobs(e, c, t, return_entropy=True, impl="triton")
+    total = out.log_probs.sum() + out.entropy.sum()
+    torch.autograd.grad(total, e, retain_graph=True)
+    with pytest.raises(RuntimeError, match="memory_budget=0"):
+        torch.autograd.grad(total, e)
+    out = linear_token_logprobs(e, c, t, return_entropy=True, impl="triton", memory_budget=0)
+    total = out.log_probs.sum() + out.entropy.sum()
+    first = torch.autograd.grad(total, e, retain_graph=True)[0]
+    assert torch.equal(torch.autograd.grad(total, e)[0], first)
+    with pytest.raises(ValueError, match="memory_budget"):
+        linear_token_logprobs(e, c, t, memory_budget=-1)
+
+
+def test_second_derivative_is_refused(impl):
+    g = torch.Generator().manual_seed(9)
+    e = torch.randn(5, 8, generator=g, requires_grad=True)
+    c = torch.randn(12, 8, generator=g, requires_grad=True)
+    z = torch.randn(5, 12, generator=g, requires_grad=True)
+    t = torch.randint(0, 12, (5,), generator=g)
+    for out, leaf in ((linear_token_logprobs(e, c, t), e), (token_logprobs(z, t), z)):
+        with pytest.raises(RuntimeError, match="second derivative"):
+            torch.autograd.grad(out.log_probs.sum(), leaf, create_graph=True)

@@ -6,7 +6,7 @@ exponentials, target logit, sum of logits); one all-gather of those ``4 x N`` fl
 group and a merge give the full-vocabulary lse and loss on every rank. Saved for backward: the
 inputs, the flat targets and the lse (O(N)).
 
-Backward, by the strategy ``memory_budget`` allows (``_strategy``): from the logits tiles the
+Backward, by the strategy ``memory_budget`` allows (``strategy.py``): from the logits tiles the
 forward saved (6NHV), from gradients already formed in forward (scalar losses, 6NHV), or by
 recomputing the logits chunk by chunk (8NHV); each forms ``dlogits`` from the saved lse and
 accumulates ``dE`` and ``dC`` in fp32. ``dC`` is local. ``dE`` is summed over the TP group in
@@ -35,6 +35,7 @@ from ..reference.linear import TorchBackend
 from ..runtime import compiling, untraced
 from . import compiled_ops
 from .first_order import refuse_double_backward
+from .strategy import choose_strategy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class _Opts:
     smoothing: float
     z_loss: float
     backend: object
-    strategy: str = "recompute"  # "saved", "grad_in_forward" or "recompute" (``_strategy``)
+    strategy: str = "recompute"  # "saved", "grad_in_forward" or "recompute" (``strategy.py``)
     chunk_bytes: Optional[int] = None  # the recompute path's dlogits chunk, when the budget caps it
     saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
@@ -371,65 +372,13 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     return row_stats.unbind(0), (de, dc, db), first
 
 
-#: Extra device memory the fused linear loss may use when the caller names no budget: the
-#: saved-tiles strategy up to 2 GiB of saved logits (a 16K-column TP shard up to 64K tokens, a
-#: 128K vocabulary up to 8K tokens), else the fastest that fits.
-DEFAULT_MEMORY_BUDGET = 2 << 30
-
-
-def _strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group, softcap,
-              smoothing: float, memory_budget):
-    """``(strategy, recompute chunk bytes or None, saved columns or None)``: the fastest way to
-    form the gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md,
-    section 7, "Strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it
-    applies.
-
-    Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
-    takes the same path and runs the same collectives."""
-    if backend is TorchBackend or not torch.is_grad_enabled():
-        return "recompute", None, None
-    if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return "recompute", None, None  # forward only: statistics, nothing saved
-    cfg = backend.default_config(e.device)
-    world = communication.world_size(group)
-    h, v, size = e.shape[-1], c.shape[0], e.element_size()
-    n = e.numel() // max(h, 1) * (world if sequence_parallel else 1)
-    # saved: without the logit, the softcap slope of an underflowed probability is unknown,
-    # and smoothing needs it
-    saved_ok = not (softcap and smoothing > 0)
-    scalar = reduction != "none"
-    if cfg.strategy != "auto":
-        ok = {"saved": saved_ok, "grad_in_forward": scalar, "recompute": True}[cfg.strategy]
-        return (cfg.strategy if ok else "recompute"), None, None
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
-    if saved_ok and backend.saved_bytes(n, v, size, cfg) + (de32 if world > 1 else 0) <= budget:
-        return "saved", None, None
-    # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
-    # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
-    if scalar and world == 1 and backend.gif_extra_bytes(n, v, h, cfg) <= budget:
-        return "grad_in_forward", None, None
-    block = cfg.bwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
-    if saved_ok and n:
-        # the first columns saved, the rest recomputed: 6NHV on the former, 8NHV on the latter
-        tile = cfg.fwd_block_v
-        per_tile = backend.saved_bytes(n, tile, size, cfg)
-        tiles = int((budget - de32 - chunk) // per_tile)
-        if tiles >= 1:
-            return "saved", None, min(tiles * tile, v - 1)
-    if chunk + de32 <= budget:
-        return "recompute", None, None
-    return "recompute", max(1, int(budget) - de32), None  # the narrowest chunks: a tile wide
-
-
 def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, reduction: str,
                 shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float,
                 memory_budget=None):
     """The loss and per-token lse of checked arguments (``functional.linear_cross_entropy``)."""
-    strategy, chunk_bytes, saved_cols = _strategy(backend, e, c, bias, reduction,
-                                                  sequence_parallel, group, softcap, smoothing,
-                                                  memory_budget)
+    strategy, chunk_bytes, saved_cols = choose_strategy(backend, e, c, bias, reduction,
+                                                        sequence_parallel, group, softcap,
+                                                        smoothing, memory_budget)
     o = _Opts(ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
               group=group,
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,

@@ -9,7 +9,8 @@ rank. Backward needs no communication for the logits path; the hidden-state path
 gradient of the hidden states over the group, like the fused linear loss.
 
 Two entries: ``from_logits`` (this rank's logits shard, any strides) and ``from_hidden`` (hidden
-states and this rank's classifier rows; the logits exist one column chunk at a time).
+states and this rank's classifier rows, in PyTorch: the logits exist one column chunk at a time;
+the Triton kernels run the fused linear engine instead, ``linear_logprobs.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ..formulas import logprob_and_entropy, merge_logprob_stats
 from ..layout import RowView, like_rows, row_view
 from ..reference import logprobs as torch_rows
 from ..runtime import untraced
+from .first_order import refuse_double_backward
 
 #: Bytes of one fp32 column chunk of logits in the hidden-state path (its dz in the input dtype
 #: is half of it again): 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
@@ -65,7 +67,7 @@ def _gather(stats, o: Options):
     return communication.gathered_stats(gathered, k, n), agree
 
 
-def _finish(stats, t, o: Options):
+def finish(stats, t, o: Options):
     """Merge over the TP group; apply ignore and out-of-range targets."""
     parts, agree = _gather(stats, o)
     m, s, w, x_t, col = merge_logprob_stats(parts)
@@ -81,7 +83,7 @@ def _finish(stats, t, o: Options):
     return logp, ent, lse, col.to(torch.int64), ignored, bad
 
 
-def _upstream(g, n, like, ignored, bad=None):
+def upstream_grad(g, n, like, ignored, bad=None):
     """A per-token upstream gradient: zeros when absent, 0 for ignored tokens, NaN for tokens
     with an out-of-range target whose log-prob is differentiated (their log-prob is NaN)."""
     if g is None:
@@ -106,7 +108,7 @@ class _FromLogits(torch.autograd.Function):
             o.rows.stats(view, t, inv_t, o.col_start, o.valid, o.scale, o.softcap, stats)
         else:
             stats.zero_()
-        logp, ent, lse, col, ignored, bad = _finish(stats, t, o)
+        logp, ent, lse, col, ignored, bad = finish(stats, t, o)
         ctx.save_for_backward(view.tensor, t, inv_t, lse, ent, ignored, bad)
         ctx.rows = (view.D1, view.s0, view.s1)
         ctx.o = o
@@ -115,13 +117,15 @@ class _FromLogits(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _):
+        if torch.is_grad_enabled():  # create_graph=True
+            refuse_double_backward("token_logprobs")
         logits, t, inv_t, lse, ent, ignored, bad = ctx.saved_tensors
         o = ctx.o
         if g_lp is None and g_ent is None:
             return None, None, None, None
         n = t.numel()
-        g_lp = _upstream(g_lp, n, lse, ignored, bad)
-        g_ent = _upstream(g_ent, n, lse, ignored)
+        g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
+        g_ent = upstream_grad(g_ent, n, lse, ignored)
         view = RowView(logits, *ctx.rows)
         dview = like_rows(view)
         o.rows.backward(view, dview, t, inv_t, lse, ent, g_lp, g_ent, o.col_start, o.valid,
@@ -143,7 +147,8 @@ def _chunk_cols(n: int, v: int, elem: int) -> int:
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, gemm):
+    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool):
+        gemm = torch_rows.TorchGemm
         ctx.set_materialize_grads(False)
         full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
         e2 = full.reshape(-1, full.shape[-1])
@@ -166,26 +171,28 @@ class _FromHidden(torch.autograd.Function):
                 o.rows.stats(RowView(zk, n, 0, zk.stride(0)), t, inv_t, o.col_start + c0,
                              valid, o.scale, o.softcap, parts[k])
         local = torch.stack(merge_logprob_stats(parts)) if n_chunks > 1 else parts[0]
-        logp, ent, lse, col, ignored, bad = _finish(local, t, o)
+        logp, ent, lse, col, ignored, bad = finish(local, t, o)
         ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad)
-        ctx.o, ctx.sp, ctx.gemm, ctx.step = o, sequence_parallel, gemm, step
+        ctx.o, ctx.sp, ctx.step = o, sequence_parallel, step
         ctx.mark_non_differentiable(col)
         return logp, ent, col
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, _):
+        if torch.is_grad_enabled():  # create_graph=True
+            refuse_double_backward("linear_token_logprobs")
         e, c, bias, t, inv_t, lse, ent, ignored, bad = ctx.saved_tensors
-        o, gemm, step = ctx.o, ctx.gemm, ctx.step
+        o, gemm, step = ctx.o, torch_rows.TorchGemm, ctx.step
         need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         full = communication.gather_along_first_dim(e, o.group) if ctx.sp else e
         e2 = full.reshape(-1, full.shape[-1])
         n, v = e2.shape[0], c.shape[0]
         acc = lse.dtype
-        g_lp = _upstream(g_lp, n, lse, ignored, bad)
-        g_ent = _upstream(g_ent, n, lse, ignored)
+        g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
+        g_ent = upstream_grad(g_ent, n, lse, ignored)
         de = torch.zeros((n, e2.shape[1]), dtype=acc, device=e.device) if need_e else None
         dc = torch.zeros_like(c) if need_c else None
         db = torch.zeros(v, dtype=acc, device=e.device) if need_b else None
@@ -215,13 +222,10 @@ class _FromHidden(torch.autograd.Function):
             else:
                 de = communication.all_reduce_sum(de, o.group)
             de_out = de.to(e.dtype).view(e.shape)
-        return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None,
-                None)
+        return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None)
 
 
-def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, gemm):
-    """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows."""
-    args = (e, c, bias, t, inv_t, o, sequence_parallel, gemm)
-    if o.rows is torch_rows:
-        return _FromHidden.apply(*args)
-    return untraced(_FromHidden.apply, *args)
+def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool):
+    """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows, in
+    PyTorch (the Triton path is ``linear_logprobs.py``)."""
+    return _FromHidden.apply(e, c, bias, t, inv_t, o, sequence_parallel)

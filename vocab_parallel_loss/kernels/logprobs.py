@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from . import linear
 from .launch import launch
 
 
@@ -156,21 +155,3 @@ def backward(view, dview, target, inv_t, lse, ent, g_lp, g_ent, col_start: int, 
            HAS_CAP=softcap is not None, BLOCK=min(_block(v), 2048),
            num_warps=4 if v <= 4096 else 8)
 
-
-class KernelGemm:
-    """The products of the hidden-state path through the fused linear loss's GEMM helpers
-    (cuBLAS with fp32 accumulation on CUDA; Triton's tl.dot under the interpreter)."""
-
-    @staticmethod
-    def logits(e2, c_chunk, b_chunk, out):
-        linear.chunk_logits(e2, c_chunk, out, linear.default_config(e2.device))
-        if b_chunk is not None:
-            out += b_chunk.to(out.dtype)
-
-    @staticmethod
-    def acc(acc, a, b):
-        linear.gemm_acc(acc, a, b, linear.default_config(a.device))
-
-    @staticmethod
-    def store(out, a, b):
-        linear.gemm_store(out, a, b, linear.default_config(a.device))

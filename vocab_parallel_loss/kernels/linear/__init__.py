@@ -12,13 +12,15 @@ functions; the files hold one idea each:
                them into dlogits in place and runs two GEMMs, 6NHV
 ``rows.py``    the grad-in-forward path for scalar losses: materialized fp32 row chunks and
                memory-bound row kernels, 6NHV
-``common.py``  helpers the kernel files share
+``common.py``  helpers the kernel files share, and ``LogprobArgs``: every kernel above also runs
+               in a log-prob mode (``autograd/linear_logprobs.py``)
 
 To override the tile configuration, set ``config.OVERRIDE_CONFIG`` (``default_config`` reads it
 there) or ``VPL_LCE_CONFIG``.
 """
 
 from . import config
+from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
 from .fused import backward, forward_split, forward_stats
 from .gemm import gemm_acc, gemm_store
@@ -26,7 +28,8 @@ from .rows import chunk_logits, gif_chunk_rows, gif_extra_bytes, rows_dz_inplace
 from .saved import SavedTiles, backward_saved, saved_bytes, saved_tiles
 
 __all__ = [
-    "AMPERE_CONFIG", "HOPPER_CONFIG", "INTERPRET_CONFIG", "LCEConfig", "SavedTiles", "backward",
+    "AMPERE_CONFIG", "HOPPER_CONFIG", "INTERPRET_CONFIG", "LCEConfig", "LogprobArgs", "SavedTiles",
+    "backward",
     "backward_saved", "chunk_logits", "saved_bytes", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
     "gif_chunk_rows", "gif_extra_bytes", "rows_dz_inplace", "rows_stats",

@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from ... import settings
-from ...formulas import merge_partial_stats
+from ...formulas import merge_logprob_stats, merge_partial_stats
 from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
-from .common import check_tiles, dot_precision, tanh, upcast
+from .common import LogprobArgs, check_tiles, dot_precision, tanh, upcast
 from .config import LCEConfig, default_config
 from .gemm import gemm_acc, gemm_store
 
@@ -172,20 +172,91 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
 
 
 @triton.jit
+def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, w, tg,
+                       best_col, U, MT, stride_un, HAS_BIAS: tl.constexpr,
+                       HAS_SOFTCAP: tl.constexpr, NEED_ARGMAX: tl.constexpr, STORE: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr):
+    """Fold the fp32 tile ``z`` (``x`` here) into the log-prob statistics of
+    ``x = cap(scale z) / T``: max ``m``, ``s = sum exp(x - m)``, the entropy's
+    ``w = sum exp(x - m) (x - m)`` (relative to ``m``: a common offset cancels exactly), the
+    target's ``x`` and the first column of the max. With ``STORE`` the tile is also saved as
+    ``u = exp(x - mt)`` with its row max ``mt``, as ``_fold_store_tile`` does."""
+    cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_mask = cols < V
+    if HAS_BIAS:
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        x += b[None, :]
+    x = x * scale
+    if HAS_SOFTCAP:
+        x = softcap * tanh(x / softcap)
+    x = x * inv_t[:, None]
+    tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
+    x = tl.where(col_mask[None, :], x, float("-inf"))
+    mt = tl.max(x, axis=1)
+    d = x - mt[:, None]
+    u = tl.exp(d)
+    st = tl.sum(u, axis=1)
+    wt = tl.sum(tl.where(u > 0.0, u * d, 0.0), axis=1)  # 0, not 0 * -inf, past V
+    if NEED_ARGMAX:  # a later tile takes over only with a strictly larger max: first on ties
+        first = tl.min(tl.where(x == mt[:, None], cols[None, :], V), axis=1)
+        best_col = tl.where(mt > m, first, best_col)
+    if STORE:
+        rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
+        if DESC_U:
+            U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
+        else:
+            u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
+            tl.store(u_ptrs, u.to(U.dtype.element_ty),
+                     mask=(rows < N)[:, None] & col_mask[None, :])
+        tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=rows < N)
+    m_new = tl.maximum(m, mt)
+    a = tl.exp(m - m_new)
+    b = tl.exp(mt - m_new)
+    # both terms moved to the new max (the running one only once it holds a column)
+    w = a * (w + tl.where(s > 0.0, (m - m_new) * s, 0.0)) + b * (wt + (mt - m_new) * st)
+    s = a * s + b * st
+    return m_new, s, w, tg, best_col
+
+
+@triton.jit
+def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col, U, MT,
+          stride_un, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
+          LOGPROB: tl.constexpr, NEED_ARGMAX: tl.constexpr, STORE: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr):
+    """One tile into the running statistics: the loss's (``sx``: sum of logits) or, with
+    ``LOGPROB``, the log-prob's (``sx``: the entropy's ``w``)."""
+    if LOGPROB:
+        m, s, sx, tg, best_col = _fold_logprob_tile(
+            x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, sx, tg, best_col, U,
+            MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U)
+    elif STORE:
+        m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx,
+                                        U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX,
+                                        BLOCK_N, BLOCK_V, DESC_U)
+    else:
+        m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS,
+                                  HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+    return m, s, tg, sx, best_col
+
+
+@triton.jit
 def _lce_fwd_kernel(
-    E, C, BIAS, TGT, STATS, U, MT,
+    E, C, BIAS, TGT, STATS, U, MT, INV_T,
     N, V, H,
-    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un,
-    v_offset, softcap, tiles_per_split, n_splits,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un, stride_it,
+    v_offset, softcap, scale, tiles_per_split, n_splits,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
-    FLAT: tl.constexpr, STORE: tl.constexpr, DESC_U: tl.constexpr,
+    FLAT: tl.constexpr, STORE: tl.constexpr, DESC_U: tl.constexpr, LOGPROB: tl.constexpr,
+    NEED_ARGMAX: tl.constexpr,
 ):
     """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
     (tile, H step) that folds a tile into the statistics after its last step, so that the
     software pipeline keeps loading the next tile's operands during that epilogue. With
-    ``STORE`` every tile is also saved for backward (``_fold_store_tile``)."""
+    ``STORE`` every tile is also saved for backward (``_fold_store_tile``). With ``LOGPROB``
+    the statistics are the log-prob's five (``_fold_logprob_tile``) of ``cap(scale z) / T``,
+    ``1 / T`` per row from ``INV_T`` (``stride_it`` 0 for one temperature)."""
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -198,6 +269,10 @@ def _lce_fwd_kernel(
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     tg = tl.zeros((BLOCK_N,), dtype=tl.float32)
     sx = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    best_col = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    inv_t = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if LOGPROB:
+        inv_t = tl.load(INV_T + rows_ld.to(tl.int64) * stride_it).to(tl.float32)
     num_vt = tl.cdiv(V, BLOCK_V)
     t_begin = split * tiles_per_split
     t_end = tl.minimum(num_vt, t_begin + tiles_per_split)
@@ -210,14 +285,10 @@ def _lce_fwd_kernel(
             acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
                                  DOT_PREC, UPCAST)
             if kk == num_k - 1:
-                if STORE:
-                    m, s, tg, sx = _fold_store_tile(acc, rb, vt, N, V, BIAS, softcap, t_local,
-                                                    m, s, tg, sx, U, MT, stride_un, HAS_BIAS,
-                                                    HAS_SOFTCAP, NEED_SUMX, BLOCK_N, BLOCK_V,
-                                                    DESC_U)
-                else:
-                    m, s, tg, sx = _fold_tile(acc, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
-                                              HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+                m, s, tg, sx, best_col = _fold(
+                    acc, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx,
+                    best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB,
+                    NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
         for vt in range(t_begin, t_end):
@@ -226,27 +297,35 @@ def _lce_fwd_kernel(
             x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
                              stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
                              DOT_PREC, UPCAST, DESC)
-            if STORE:
-                m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s,
-                                                tg, sx, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP,
-                                                NEED_SUMX, BLOCK_N, BLOCK_V, DESC_U)
-            else:
-                m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx,
-                                          HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+            m, s, tg, sx, best_col = _fold(
+                x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col,
+                U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB, NEED_ARGMAX, STORE,
+                BLOCK_N, BLOCK_V, DESC_U)
 
-    base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
-    tl.store(base, m, mask=row_mask)
-    tl.store(base + N, s, mask=row_mask)
-    tl.store(base + 2 * N, tg, mask=row_mask)
-    tl.store(base + 3 * N, sx, mask=row_mask)
+    if LOGPROB:  # kernels/logprobs.py's five rows: m, s, w, target x, global column of the max
+        base = STATS + split.to(tl.int64) * 5 * N + rows.to(tl.int64)
+        tl.store(base, m, mask=row_mask)
+        tl.store(base + N, s, mask=row_mask)
+        tl.store(base + 2 * N, sx, mask=row_mask)
+        tl.store(base + 3 * N, tg, mask=row_mask)
+        tl.store(base + 4 * N, (best_col.to(tl.int64) + v_offset).to(tl.float32), mask=row_mask)
+    else:
+        base = STATS + split.to(tl.int64) * 4 * N + rows.to(tl.int64)
+        tl.store(base, m, mask=row_mask)
+        tl.store(base + N, s, mask=row_mask)
+        tl.store(base + 2 * N, tg, mask=row_mask)
+        tl.store(base + 3 * N, sx, mask=row_mask)
 
 
 @triton.jit
-def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
-                      stride_dn, stride_db, v_offset, softcap, HAS_BIAS: tl.constexpr,
-                      HAS_SOFTCAP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
+def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
+                      stride_t, stride_dn, stride_db, stride_it, v_offset, softcap, scale,
+                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGPROB: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     """dz of the fp32 logits tile ``z`` (row block ``rb``, chunk column block ``cb``) into D,
-    and its column sums into the bias gradient's per-row-block partials."""
+    and its column sums into the bias gradient's per-row-block partials. With ``LOGPROB`` the
+    logits are ``cap(scale z) / T`` and the sixth row of COEF, ``gx``, adds
+    ``gx * softmax * (x - lse)`` (the entropy's term)."""
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     rows_ld = tl.where(row_mask, rows, 0)
@@ -257,13 +336,18 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, 
         b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
         z += b[None, :]
 
+    r64 = rows_ld.to(tl.int64)
+    if LOGPROB:
+        z = z * scale
     if HAS_SOFTCAP:
         th = tanh(z / softcap)
         x = softcap * th
     else:
         x = z
+    if LOGPROB:
+        inv_t = tl.load(INV_T + r64 * stride_it).to(tl.float32)
+        x = x * inv_t[:, None]
 
-    r64 = rows_ld.to(tl.int64)
     lse = tl.load(COEF + r64)
     gp = tl.load(COEF + N + r64)
     gt = tl.load(COEF + 2 * N + r64)
@@ -271,9 +355,17 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, 
     t = tl.load(TGT + r64 * stride_t).to(tl.int64) - v_offset
     t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
     onehot = cols[None, :] == t_local[:, None]
-    dx = gp[:, None] * tl.exp(x - lse[:, None]) - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
+    if LOGPROB:
+        gx = tl.load(COEF + 5 * N + r64)
+        d = x - lse[:, None]
+        p = tl.exp(d)
+        dx = (gp[:, None] + gx[:, None] * d) * p - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
+    else:
+        dx = gp[:, None] * tl.exp(x - lse[:, None]) - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
     if HAS_SOFTCAP:
         dx = dx * (1.0 - th * th)
+    if LOGPROB:
+        dx = dx * (scale * inv_t)[:, None]
     mask = row_mask[:, None] & col_mask[None, :]
     dx = tl.where(mask, dx, 0.0)
     d_ptrs = D + rows.to(tl.int64)[:, None] * stride_dn + ccols[None, :].to(tl.int64)
@@ -285,17 +377,17 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, 
 
 @triton.jit
 def _lce_dlogits_kernel(
-    E, C, BIAS, TGT, COEF, D, DB,
+    E, C, BIAS, TGT, COEF, D, DB, INV_T,
     N, V, H, v_start, n_cols,
-    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db,
-    v_offset, softcap,
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db, stride_it,
+    v_offset, softcap, scale,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGPROB: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
 ):
     """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``, one program
     per tile. COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc
-    (constant)."""
+    (constant); with ``LOGPROB`` ``(6, N)`` (its fifth row unused here, the sixth ``gx``)."""
     num_rb = tl.cdiv(N, BLOCK_N)
     num_cb = tl.cdiv(n_cols, BLOCK_V)
     rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
@@ -306,9 +398,9 @@ def _lce_dlogits_kernel(
     z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
                      stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
                      BLOCK_H, DOT_PREC, UPCAST, DESC)
-    _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, N, V, v_start, n_cols, stride_t,
-                      stride_dn, stride_db, v_offset, softcap, HAS_BIAS, HAS_SOFTCAP,
-                      BLOCK_N, BLOCK_V)
+    _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
+                      stride_t, stride_dn, stride_db, stride_it, v_offset, softcap, scale,
+                      HAS_BIAS, HAS_SOFTCAP, LOGPROB, BLOCK_N, BLOCK_V)
 
 
 def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
@@ -367,17 +459,21 @@ def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device):
 def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
                   targets: torch.Tensor, v_offset: int, softcap: Optional[float],
                   need_sumx: bool, config: Optional[LCEConfig] = None,
-                  saved: Optional["SavedTiles"] = None) -> torch.Tensor:
+                  saved: Optional["SavedTiles"] = None,
+                  logprob: Optional[LogprobArgs] = None) -> torch.Tensor:
     """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
 
     ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
     of this shard); a target outside this shard contributes 0 to the target logit. With
-    ``saved`` (``saved_tiles``) the logits are also saved for backward in that buffer.
+    ``saved`` (``saved_tiles``) the logits are also saved for backward in that buffer. With
+    ``logprob`` the statistics are instead the log-prob's ``(5, N)`` of ``cap(scale z) / T``
+    (``formulas.merge_logprob_stats``; ``need_sumx`` is ignored).
     """
     cfg = config or default_config(e.device)
     N, H = e.shape
     V = c.shape[0]
-    stats = torch.empty((4, N), dtype=torch.float32, device=e.device)
+    k = 4 if logprob is None else 5
+    stats = torch.empty((k, N), dtype=torch.float32, device=e.device)
     if N == 0:
         return stats
     BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
@@ -386,42 +482,58 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         raise ValueError(f"saved tiles of {saved.block_v} columns, the forward's are {BV}")
     num_rb = triton.cdiv(N, BN)
     split, tiles_per_split = forward_split(N, V, cfg, e.device)
-    part = stats if split == 1 else torch.empty((split, 4, N), dtype=torch.float32, device=e.device)
+    part = stats if split == 1 else torch.empty((split, k, N), dtype=torch.float32, device=e.device)
     grid = (num_rb * split,)
     desc = cfg.fwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
     ua = part
     if saved is not None:  # with descriptors for E and C, the tiles are saved through one too
         ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc else saved.u
+    inv_t, stride_it, scale = _row_scale(logprob, part)
     _lce_fwd_kernel[grid](
         ea, ca, bias if bias is not None else e, targets, part,
-        ua, saved.tile_max if saved is not None else part,
+        ua, saved.tile_max if saved is not None else part, inv_t,
         N, V, H,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
-        saved.u.stride(0) if saved is not None else 0,
-        v_offset, float(softcap) if softcap else 1.0, tiles_per_split, split,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), NEED_SUMX=need_sumx,
+        saved.u.stride(0) if saved is not None else 0, stride_it,
+        v_offset, float(softcap) if softcap else 1.0, scale, tiles_per_split, split,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+        NEED_SUMX=need_sumx and logprob is None,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
         DOT_PREC=dot_precision(e.dtype), UPCAST=upcast(e.dtype), DESC=desc,
         FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
+        LOGPROB=logprob is not None, NEED_ARGMAX=logprob is not None and logprob.need_argmax,
         num_warps=cfg.fwd_warps,
         num_stages=cfg.fwd_stages, **PINNED,
     )
     if split == 1:
         return stats
+    if logprob is not None:
+        return torch.stack(merge_logprob_stats(part))
     return torch.stack(merge_partial_stats(part))
+
+
+def _row_scale(logprob: Optional[LogprobArgs], dummy: torch.Tensor):
+    """The kernels' ``INV_T, stride_it, scale`` arguments: the log-prob's per-row ``1 / T``
+    (stride 0 for one temperature) and logit scale, or placeholders for the loss."""
+    if logprob is None:
+        return dummy, 0, 1.0
+    inv_t = logprob.inv_t
+    return inv_t, (0 if inv_t.numel() == 1 else inv_t.stride(0)), float(logprob.scale)
 
 
 def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
              targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
              softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
              config: Optional[LCEConfig] = None, de_acc: Optional[torch.Tensor] = None,
-             dc_out: Optional[torch.Tensor] = None):
+             dc_out: Optional[torch.Tensor] = None, logprob: Optional[LogprobArgs] = None):
     """Gradients of ``sum_n [gp_n * lse_n - gt_n * x_{n,t_n} - gc_n * sum_j x_{n,j}]``.
 
     ``coef (4, N)`` fp32 rows: lse, gp, gt, gc. Returns ``(dE fp32 (N, H) or None,
     dC in c.dtype (V, H) or None, dbias fp32 (V,) or None)``. ``de_acc``: an fp32 dE to add
-    to (the columns before ``c``'s already in it); ``dc_out``: where dC goes.
+    to (the columns before ``c``'s already in it); ``dc_out``: where dC goes. With ``logprob``
+    the logits are ``cap(scale z) / T`` and ``coef`` is ``(6, N)``: its sixth row ``gx`` weighs
+    ``softmax_j (x_j - lse)`` in dx as well (the entropy's gradient).
     """
     cfg = config or default_config(e.device)
     N, H = e.shape
@@ -453,17 +565,18 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     dot_prec = dot_precision(e.dtype)
     desc = cfg.bwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
+    inv_t, stride_it, scale = _row_scale(logprob, coef)
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
         tiles = num_rb * triton.cdiv(nc, BV)
         grid = (tiles,)
         _lce_dlogits_kernel[grid](
             ea, ca, bias if bias is not None else e, targets, coef, d,
-            db_part if db_part is not None else coef,
+            db_part if db_part is not None else coef, inv_t,
             N, V, H, v0, nc,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,
-            v_offset, float(softcap) if softcap else 1.0,
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+            stride_it, v_offset, float(softcap) if softcap else 1.0, scale,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
             DOT_PREC=dot_prec, UPCAST=upcast(e.dtype), DESC=desc,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **PINNED,

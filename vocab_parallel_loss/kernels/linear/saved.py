@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..launch import PINNED  # compile options every launch pins (FMA contraction)
+from .common import LogprobArgs
 from .config import LCEConfig
 from .gemm import gemm_store
 
@@ -63,15 +64,17 @@ def saved_tiles(n: int, v: int, dtype: torch.dtype, device: torch.device,
 
 @triton.jit
 def _saved_dz_kernel(
-    U, MT, TGT, COEF, N, V, stride_un, stride_t, v_offset, softcap,
-    HAS_SOFTCAP: tl.constexpr, TILE_V: tl.constexpr, BLOCK: tl.constexpr,
+    U, MT, TGT, COEF, INV_T, N, V, stride_un, stride_t, stride_it, v_offset, softcap, scale,
+    HAS_SOFTCAP: tl.constexpr, LOGPROB: tl.constexpr, TILE_V: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """One row: ``dz = (gp * softmax - gt * onehot - gc) * dx/dz`` over ``u``, in place.
 
     COEF is ``(5, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc (constant) and
     the target's logit, which gives the target column's probability (and softcap slope)
-    exactly instead of through its rounded ``u``. Elsewhere the softcapped logit for the slope
-    is ``mt + log u``, clamped to the cap.
+    exactly instead of through its rounded ``u``. Elsewhere the logit is ``mt + log u`` (for
+    the softcap slope clamped to the cap). With ``LOGPROB`` the logits are ``cap(scale z) / T``
+    and a sixth row ``gx`` adds ``gx * softmax * (x - lse)`` (the entropy's term).
     """
     row = tl.program_id(0).to(tl.int64)
     lse = tl.load(COEF + row)
@@ -79,6 +82,11 @@ def _saved_dz_kernel(
     gt = tl.load(COEF + 2 * N + row)
     gc = tl.load(COEF + 3 * N + row)
     xt = tl.load(COEF + 4 * N + row)
+    inv_t = 1.0
+    gx = 0.0
+    if LOGPROB:
+        inv_t = tl.load(INV_T + row * stride_it).to(tl.float32)
+        gx = tl.load(COEF + 5 * N + row)
     t = tl.load(TGT + row * stride_t).to(tl.int64) - v_offset
     t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
     pt = tl.exp(xt - lse)
@@ -91,28 +99,39 @@ def _saved_dz_kernel(
         onehot = cols == t_local
         p = tl.where(onehot, pt, u * tl.exp(mt - lse))
         dx = gp * p - gc - tl.where(onehot, gt, 0.0)
+        if LOGPROB or HAS_SOFTCAP:
+            # (an underflowed u has probability 0: its dx is 0 whatever its logit)
+            x = tl.where(onehot, xt, mt + tl.log(tl.maximum(u, 1e-30)))
+        if LOGPROB:
+            dx += gx * p * (x - lse)
         if HAS_SOFTCAP:
-            # (an underflowed u has probability 0: its dx is 0 whatever the slope)
-            th = tl.where(onehot, xt, mt + tl.log(tl.maximum(u, 1e-30))) / softcap
+            th = (x / inv_t) / softcap
             th = tl.minimum(tl.maximum(th, -1.0), 1.0)
             dx = dx * (1.0 - th * th)
+        if LOGPROB:
+            dx = dx * (scale * inv_t)
         tl.store(u_row + cols, dx.to(U.dtype.element_ty), mask=mask)
 
 
 def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_needs_grad: bool,
                    targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
                    softcap: Optional[float], need_de: bool, need_dc: bool,
-                   de_dtype: torch.dtype, cfg: LCEConfig, dc_out: Optional[torch.Tensor] = None):
+                   de_dtype: torch.dtype, cfg: LCEConfig, dc_out: Optional[torch.Tensor] = None,
+                   logprob: Optional[LogprobArgs] = None):
     """Gradients from saved tiles, which this consumes (``u`` becomes ``dz``). ``coef (5, N)``
-    (``_saved_dz_kernel``); ``c`` holds the saved columns. Returns ``(dE (N, H) in de_dtype or
-    None, dC in c.dtype or None (in ``dc_out`` when given), dbias fp32 (V,) or None)``."""
+    (``_saved_dz_kernel``; ``(6, N)`` with ``logprob``); ``c`` holds the saved columns. Returns
+    ``(dE (N, H) in de_dtype or None, dC in c.dtype or None (in ``dc_out`` when given), dbias
+    fp32 (V,) or None)``."""
     n, h = e.shape
     v = c.shape[0]
     dz = saved.u
     if n:
+        inv_t = coef if logprob is None else logprob.inv_t
         _saved_dz_kernel[(n,)](
-            dz, saved.tile_max, targets, coef, n, v, dz.stride(0), targets.stride(0), v_offset,
-            float(softcap) if softcap else 1.0, HAS_SOFTCAP=bool(softcap),
+            dz, saved.tile_max, targets, coef, inv_t, n, v, dz.stride(0), targets.stride(0),
+            0 if inv_t.numel() == 1 else inv_t.stride(0), v_offset,
+            float(softcap) if softcap else 1.0, 1.0 if logprob is None else float(logprob.scale),
+            HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
             TILE_V=saved.block_v, BLOCK=cfg.row_block, num_warps=cfg.row_warps, **PINNED)
     de = dc = db = None
     if need_de:

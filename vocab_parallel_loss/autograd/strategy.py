@@ -1,0 +1,67 @@
+"""How the fused linear engine forms its gradients under a memory budget, chosen per call.
+
+Strategies, fastest first (docs/design.md, section 7): the forward saves every logits tile
+(6NHV); the gradients are formed in forward (scalar losses without TP, 6NHV); the first columns
+saved and the rest recomputed; everything recomputed in column chunks (8NHV), the chunks
+narrowed when the budget is smaller than one. The loss (``linear.py``) and the token log-probs
+(``linear_logprobs.py``) share the choice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import communication
+from ..reference.linear import TorchBackend
+
+
+#: Extra device memory the fused linear engine may use when the caller names no budget: the
+#: saved-tiles strategy up to 2 GiB of saved logits (a 16K-column TP shard up to 64K tokens, a
+#: 128K vocabulary up to 8K tokens), else the fastest that fits.
+DEFAULT_MEMORY_BUDGET = 2 << 30
+
+
+def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
+                    softcap, smoothing: float, memory_budget):
+    """``(strategy, recompute chunk bytes or None, saved columns or None)``: the fastest way to
+    form the gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md,
+    section 7, "Strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it
+    applies.
+
+    Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
+    takes the same path and runs the same collectives."""
+    if backend is TorchBackend or not torch.is_grad_enabled():
+        return "recompute", None, None
+    if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
+        return "recompute", None, None  # forward only: statistics, nothing saved
+    cfg = backend.default_config(e.device)
+    world = communication.world_size(group)
+    h, v, size = e.shape[-1], c.shape[0], e.element_size()
+    n = e.numel() // max(h, 1) * (world if sequence_parallel else 1)
+    # saved: without the logit, the softcap slope of an underflowed probability is unknown,
+    # and smoothing needs it
+    saved_ok = not (softcap and smoothing > 0)
+    scalar = reduction != "none"
+    if cfg.strategy != "auto":
+        ok = {"saved": saved_ok, "grad_in_forward": scalar, "recompute": True}[cfg.strategy]
+        return (cfg.strategy if ok else "recompute"), None, None
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
+    if saved_ok and backend.saved_bytes(n, v, size, cfg) + (de32 if world > 1 else 0) <= budget:
+        return "saved", None, None
+    # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
+    # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
+    if scalar and world == 1 and backend.gif_extra_bytes(n, v, h, cfg) <= budget:
+        return "grad_in_forward", None, None
+    block = cfg.bwd_block_v
+    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    if saved_ok and n:
+        # the first columns saved, the rest recomputed: 6NHV on the former, 8NHV on the latter
+        tile = cfg.fwd_block_v
+        per_tile = backend.saved_bytes(n, tile, size, cfg)
+        tiles = int((budget - de32 - chunk) // per_tile)
+        if tiles >= 1:
+            return "saved", None, min(tiles * tile, v - 1)
+    if chunk + de32 <= budget:
+        return "recompute", None, None
+    return "recompute", max(1, int(budget) - de32), None  # the narrowest chunks: a tile wide
