@@ -75,7 +75,7 @@ def case_hidden(sp, unequal, budget):
     """The fused path under TP: ``budget`` "saved" (every tile), "split" (the first tile saved,
     the rest recomputed) or "recompute" (``memory_budget=0``; the PyTorch backend ignores it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    s, b, h, v_local = 2 * world, 3, 8, 37
+    s, b, h, v_local = 2 * world, 6, 8, 75
     vocab = v_local * world - (2 if unequal else 0)  # unequal: the last rank holds 2 padding rows
     g = torch.Generator().manual_seed(6)
     e = torch.randn(s, b, h, generator=g, dtype=torch.float64)
