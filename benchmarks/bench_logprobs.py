@@ -2,7 +2,10 @@
 both outputs under random upstream gradients, side by side with the peers in one process.
 
     python benchmarks/bench_logprobs.py [--n 16384] [--hidden 4096] [--vocab 151936 18992]
-        [--verl-dir DIR]
+        [--verl-dir DIR] [--budgets 0.5 0]
+
+Ours runs under its default memory budget (the ``ours`` row) and under each of ``--budgets``
+(GiB; 0 is the least memory: every logit recomputed in backward).
 
 Peers: verl's fused Triton kernel (``verl/utils/kernel`` loaded from ``--verl-dir``, an unpacked
 verl wheel, without importing the rest of verl), Liger's fused linear scaled cross entropy
@@ -41,9 +44,15 @@ TEMPERATURE = 0.9
 
 
 # ----------------------------------------------------------------------------------- peers
-def ours(h, w, t):
-    out = linear_token_logprobs(h, w, t, temperature=TEMPERATURE, return_entropy=True)
+def ours(h, w, t, memory_budget=None):
+    out = linear_token_logprobs(h, w, t, temperature=TEMPERATURE, return_entropy=True,
+                                memory_budget=memory_budget)
     return out.log_probs, out.entropy
+
+
+def ours_at(gib):
+    """Ours under ``memory_budget`` = ``gib`` GiB (the default budget is the ``ours`` row)."""
+    return f"ours @{gib:g} GiB", lambda h, w, t: ours(h, w, t, int(gib * GiB))
 
 
 def torch_plain(h, w, t):
@@ -186,7 +195,7 @@ def markdown(report):
              "against fp32 logits of the same inputs.", ""]
     for v in m["vocab"]:
         rows = [r for r in report["rows"] if r["vocab"] == v]
-        ok = [r["ms"] for r in rows if "ms" in r and r["impl"] != "ours"]
+        ok = [r["ms"] for r in rows if "ms" in r and not r["impl"].startswith("ours")]
         best = min(ok) if ok else None
         lines += [f"## V = {v}", ""]
         lines += common.table(
@@ -208,6 +217,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--vocab", type=int, nargs="+", default=[151936, 18992])
     ap.add_argument("--verl-dir", default=None, help="an unpacked verl wheel (skip verl if unset)")
+    ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0],
+                    help="rows of ours under these memory budgets (GiB)")
     ap.add_argument("--skip", nargs="*", default=[], help="implementations to leave out")
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=200)
@@ -217,7 +228,7 @@ def main():
     if args.smoke_cpu:
         args.n, args.hidden, args.vocab = 37, 16, [53]
     dev = Device("cpu" if args.smoke_cpu else "cuda")
-    impls = [("ours", ours)]
+    impls = [("ours", ours)] + [ours_at(g) for g in args.budgets]
     if args.verl_dir:
         try:
             impls.append(("verl", load_verl(args.verl_dir)))
