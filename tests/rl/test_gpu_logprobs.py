@@ -19,12 +19,12 @@ pytestmark = [pytest.mark.gpu,
 MiB = 1 << 20
 
 
-def _case(n, h, v, seed=0):
+def _case(n, h, v, seed=0, valid=None):
     g = torch.Generator(device="cuda").manual_seed(seed)
     e = (torch.randn(n, h, device="cuda", generator=g) * 0.5).bfloat16().requires_grad_()
     c = (torch.randn(v, h, device="cuda", generator=g) * h ** -0.5).bfloat16().requires_grad_()
     b = (torch.randn(v, device="cuda", generator=g) * 0.1).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    t = torch.randint(0, valid or v, (n,), device="cuda", generator=g)
     t[::11] = -100
     temp = torch.rand(n, device="cuda", generator=g) + 0.5
     g_lp = torch.randn(n, device="cuda", generator=g)
@@ -58,11 +58,15 @@ def _run(e, c, b, t, temp, g_lp, g_ent, softcap, scale, valid, budget):
 @pytest.mark.parametrize("softcap,scale", [(None, 1.0), (30.0, 0.7)])
 def test_strategies_match_fp32(plan, softcap, scale):
     n, h, v, valid = 4096, 1024, 19000, 18992  # a TP shard with 8 padding rows
-    e, c, b, t, temp, g_lp, g_ent = _case(n, h, v)
-    budget = {"saved": None, "split": 96 * MiB, "recompute": 0}[plan]
+    e, c, b, t, temp, g_lp, g_ent = _case(n, h, v, valid=valid)
+    cfg = K.default_config(e.device)
+    tile = cfg.fwd_block_v
+    chunk = min(cfg.chunk_bytes, n * -(-v // cfg.bwd_block_v) * cfg.bwd_block_v * 2)
+    four_tiles = n * h * 4 + chunk + K.saved_bytes(n, 4 * tile, 2, cfg)  # four saved, rest not
+    budget = {"saved": None, "split": four_tiles, "recompute": 0}[plan]
     picked = choose_strategy(K, e, c, b, "none", False, None, softcap, 0.0, budget)
-    assert picked[0] == ("recompute" if plan == "recompute" else "saved")
-    assert (picked[2] is not None) == (plan == "split"), picked
+    assert picked == {"saved": ("saved", None, None), "split": ("saved", None, 4 * tile),
+                      "recompute": ("recompute", 1, None)}[plan], picked
     out, grads = _run(e, c, b, t, temp, g_lp, g_ent, softcap, scale, valid, budget)
     lp, ent, am, y, want = _reference(e, c, b, t, temp, g_lp, g_ent, softcap, scale, valid)
     torch.testing.assert_close(out.log_probs, lp, atol=2e-4, rtol=1e-5)
