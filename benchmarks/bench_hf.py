@@ -11,6 +11,9 @@ is forward + backward (gradient checkpointing on by default, as in fine-tuning, 
     python benchmarks/bench_hf.py --out-dir runs/bench_hf                 # H200
     python benchmarks/bench_hf.py --tiny --out-dir /tmp/bench_hf_tiny     # CPU smoke test
 
+``--variants`` also takes ``vocab_parallel_loss@G``: the patch under a memory budget of G GiB
+(the plain name runs the default budget).
+
 Writes ``results.json`` and ``results.md`` to ``--out-dir``.
 """
 
@@ -108,10 +111,12 @@ def _run_variant(args) -> dict:
     if not args.no_grad_ckpt:
         getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
         model.config.use_cache = False
-    if args.variant == "vocab_parallel_loss":
+    name, _, gib = args.variant.partition("@")
+    if name == "vocab_parallel_loss":  # "vocab_parallel_loss@G": under a memory budget of G GiB
         import vocab_parallel_loss.transformers as vh
 
-        vh.patch(model, impl=args.impl)
+        vh.patch(model, impl=args.impl,
+                 **({"memory_budget": int(float(gib) * 2**30)} if gib else {}))
     info["params"] = sum(p.numel() for p in model.parameters())
 
     g = torch.Generator(device="cpu").manual_seed(1)
