@@ -217,4 +217,4 @@ def test_every_launch_pins_fma_contraction(monkeypatch):
             if "num_warps" in call:  # a kernel launch, not an indexing call
                 launches += 1
                 assert "**PINNED" in call, f"{path.name}: a launch without PINNED: {call[:80]}"
-    assert launches >= 5  # the fused linear kernels' direct launches at least
+    assert launches >= 4  # the fused linear kernels' direct launches at least

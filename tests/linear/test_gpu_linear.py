@@ -19,6 +19,7 @@ K = importlib.import_module("vocab_parallel_loss.kernels.linear")
 KC = K.config  # default_config reads OVERRIDE_CONFIG here
 KF = importlib.import_module("vocab_parallel_loss.kernels.linear.fused")
 KG = importlib.import_module("vocab_parallel_loss.kernels.linear.gemm")
+LCE = importlib.import_module("vocab_parallel_loss.autograd.linear")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -229,12 +230,16 @@ def test_cuda_graph_capture(budget):
 
 
 @pytest.mark.parametrize("n,h,v", [(4096, 4096, 32000), (8192, 4096, 16032)])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_grad_in_forward_path(n, h, v, reduction, monkeypatch):
+@pytest.mark.parametrize("reduction,kw", [("mean", dict(softcap=30.0)),
+                                          ("sum", dict(label_smoothing=0.1, z_loss=1e-4))])
+def test_grad_in_forward_path(n, h, v, reduction, kw, monkeypatch):
     cfg = K.default_config(torch.device("cuda")).replace(strategy="grad_in_forward", gif_rows=3000)
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
+    calls = []
+    orig = LCE._forward_with_grads
+    monkeypatch.setattr(LCE, "_forward_with_grads", lambda *a: calls.append(1) or orig(*a))
     e, c, b, t, up = _case(n, h, v, bias=True)
-    kw = dict(reduction=reduction, softcap=30.0, label_smoothing=0.1)
+    kw = dict(reduction=reduction, **kw)
     loss, grads = _run(e, c, b, t, up, impl="triton", **kw)
     want, wgrads = _reference(e, c, b, t, up, **kw)
     torch.testing.assert_close(loss, want, atol=2e-4 * max(1.0, want.abs().item()), rtol=2e-5)
@@ -242,6 +247,7 @@ def test_grad_in_forward_path(n, h, v, reduction, monkeypatch):
     # bitwise deterministic too
     loss2, grads2 = _run(e, c, b, t, up, impl="triton", **kw)
     assert torch.equal(loss, loss2) and all(torch.equal(x, y) for x, y in zip(grads, grads2))
+    assert calls, "the gradients were not formed in forward"
 
 
 def test_grad_in_forward_memory(monkeypatch):
@@ -250,7 +256,7 @@ def test_grad_in_forward_memory(monkeypatch):
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
     e, c, _, t, _ = _case(n, h, v)
     extra = _extra_memory(e, c, t)
-    bound = K.gif_extra_bytes(n, v, h, cfg) + n * h * 4 + 64 * 2**20
+    bound = K.gif_extra_bytes(n, v, h, 2, cfg.gif_rows, cfg) + n * h * 4 + 64 * 2**20
     assert extra < bound, (extra / 2**30, bound / 2**30)
 
 

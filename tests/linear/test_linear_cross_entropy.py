@@ -484,7 +484,9 @@ def test_strategy_follows_memory_budget(monkeypatch):
     n, h = e.shape
     v = c.shape[0]
     saved = K.saved_bytes(n, v, e.element_size(), cfg)
-    gif = K.gif_extra_bytes(n, v, h, cfg)
+    rows = K.gif_chunk_rows(n, v, h, e.element_size(), saved - 1, cfg)
+    assert rows == cfg.gif_rows  # 13 chunks of 16 rows
+    gif = K.gif_extra_bytes(n, v, h, e.element_size(), rows, cfg)
     assert gif < saved
 
     def pick(budget, reduction="mean", softcap=None, smoothing=0.0):
@@ -493,12 +495,14 @@ def test_strategy_follows_memory_budget(monkeypatch):
 
     assert pick(None) == ("saved", None, None)
     assert pick(saved) == ("saved", None, None)
-    assert pick(saved - 1) == ("grad_in_forward", None, None)
+    assert pick(saved - 1) == ("grad_in_forward", None, rows)
+    assert pick(gif) == ("grad_in_forward", None, rows)
+    assert pick(gif - 1) == ("recompute", None, None)  # under one chunk of the config's rows
     # per token: the first tiles saved, the rest recomputed into the fp32 dE
     assert pick(saved - 1, "none") == ("saved", None, cfg.fwd_block_v)
     assert pick(0) == ("recompute", 1, None)  # too small for any chunk: the narrowest
     # smoothing through a softcap needs every logit: the saved probabilities lack them
-    assert pick(None, softcap=3.0, smoothing=0.1)[0] == "grad_in_forward"
+    assert pick(None, softcap=3.0, smoothing=0.1)[0] == "recompute"
     assert pick(None, "none", softcap=3.0, smoothing=0.1)[0] == "recompute"
     with torch.no_grad():
         assert pick(None) == ("recompute", None, None)

@@ -52,6 +52,7 @@ class _Opts:
     strategy: str = "recompute"  # "saved", "grad_in_forward" or "recompute" (``strategy.py``)
     chunk_bytes: Optional[int] = None  # the recompute path's dlogits chunk, when the budget caps it
     saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
+    gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
 
 
@@ -324,12 +325,13 @@ def _token_grad(grad_loss, t2, count, o: _Opts, dtype):
 
 def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int,
                         shapes: tuple):
-    """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in one pass
-    over materialized fp32 row chunks of the logits (Triton backend only; see
-    ``LCEConfig.strategy``). Returns the merged row statistics ``(m, s, x_t, d)``
-    (``_merge``), the fp32 gradients ``(dE (N, H), dC (V_local, H), dbias (V_local,))`` (None
-    where not needed) and the first chunk's gathered statistics (for ``_check_shapes``; None
-    without TP or rows)."""
+    """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in forward,
+    a chunk of ``o.gif_rows`` rows at a time: the fused forward saves the chunk's logits tiles
+    (``saved.py``), its statistics are merged, the tiles become ``dz`` in place, then
+    ``dE[rows] = dz @ C`` and ``dC += dz.T @ E[rows]`` (fp32). 6NHV. Returns the merged row
+    statistics ``(m, s, x_t, d)`` (``_merge``), the fp32 gradients ``(dE (N, H), dC (V_local,
+    H), dbias (V_local,))`` (None where not needed) and the first chunk's gathered statistics
+    (for ``_check_shapes``; None without TP or rows)."""
     K = o.backend
     cfg = K.default_config(e2.device)
     need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -346,27 +348,24 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
-    rows = K.gif_chunk_rows(n, cfg)
-    xbuf = torch.empty((rows, v), dtype=f32, device=dev) if n else None
+    rows = max(1, min(n, o.gif_rows or cfg.gif_rows))
+    buf = K.saved_tiles(rows, v, e2.dtype, dev, cfg) if n else None
     first = None
     for i, r0 in enumerate(range(0, n, rows)):
         r1 = min(n, r0 + rows)
-        x = xbuf[:r1 - r0]
+        tiles = K.rows_of(buf, r1 - r0)
         er, tr = e2[r0:r1], t2[r0:r1]
-        K.chunk_logits(er, c, x, cfg)
-        stats = K.rows_stats(x, bias, tr, v_offset, o.softcap, o.smoothing > 0, cfg)
+        stats = K.forward_stats(er, c, bias, tr, v_offset, o.softcap, o.smoothing > 0,
+                                config=cfg, saved=tiles)
         (m_r, s_r, tgt_r, d_r), gathered = _merge(stats, v, o, shapes)
         first = gathered if i == 0 else first
         row_stats[:, r0:r1] = torch.stack([m_r, s_r, tgt_r, d_r])
-        coef = _coef(m_r + torch.log(s_r), g[r0:r1], o, v_global)  # token_loss's lse
-        dz = K.rows_dz_inplace(x, bias, tr, v_offset, coef, o.softcap, e2.dtype, cfg)
+        coef = _coef(m_r + torch.log(s_r), g[r0:r1], o, v_global, x_t=tgt_r)  # token_loss's lse
+        dz = K.saved_dz_inplace(tiles, tr, v_offset, coef, o.softcap, cfg)
         if need_de:
             K.gemm_store(de[r0:r1], dz, c, cfg)
         if need_dc:
-            if i == 0:
-                K.gemm_store(dc, dz.t(), er, cfg)
-            else:
-                K.gemm_acc(dc, dz.t(), er, cfg)
+            (K.gemm_store if i == 0 else K.gemm_acc)(dc, dz.t(), er, cfg)
         if need_db:
             db += dz.sum(dim=0, dtype=f32)
     return row_stats.unbind(0), (de, dc, db), first
@@ -376,14 +375,16 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
                 shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float,
                 memory_budget=None):
     """The loss and per-token lse of checked arguments (``functional.linear_cross_entropy``)."""
-    strategy, chunk_bytes, saved_cols = choose_strategy(backend, e, c, bias, reduction,
-                                                        sequence_parallel, group, softcap,
-                                                        smoothing, memory_budget)
+    strategy, chunk_bytes, size = choose_strategy(backend, e, c, bias, reduction,
+                                                  sequence_parallel, group, softcap, smoothing,
+                                                  memory_budget)
     o = _Opts(ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
               group=group,
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
               smoothing=smoothing, z_loss=z_loss, backend=backend,
-              strategy=strategy, chunk_bytes=chunk_bytes, saved_cols=saved_cols,
+              strategy=strategy, chunk_bytes=chunk_bytes,
+              saved_cols=size if strategy == "saved" else None,
+              gif_rows=size if strategy == "grad_in_forward" else None,
               seq_dim=0 if sequence_parallel else -2)
     if backend is TorchBackend:  # plain PyTorch: Dynamo traces it into the graph
         return _LinearCrossEntropy.apply(e, c, bias, targets, o)

@@ -23,10 +23,11 @@ DEFAULT_MEMORY_BUDGET = 2 << 30
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
                     softcap, smoothing: float, memory_budget):
-    """``(strategy, recompute chunk bytes or None, saved columns or None)``: the fastest way to
-    form the gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md,
-    section 7, "Strategies"); ``LCEConfig.strategy`` other than ``"auto"`` forces one where it
-    applies.
+    """``(strategy, recompute chunk bytes or None, size or None)``: the fastest way to form the
+    gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md, section 7,
+    "Strategies"); ``size`` is the leading columns saved (``"saved"``; None: all of them) or the
+    rows per chunk (``"grad_in_forward"``; None: ``LCEConfig.gif_rows``).
+    ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies.
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""
@@ -38,12 +39,13 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     world = communication.world_size(group)
     h, v, size = e.shape[-1], c.shape[0], e.element_size()
     n = e.numel() // max(h, 1) * (world if sequence_parallel else 1)
-    # saved: without the logit, the softcap slope of an underflowed probability is unknown,
-    # and smoothing needs it
+    # saved tiles (also those of the gradients in forward): without the logit, the softcap
+    # slope of an underflowed probability is unknown, and smoothing needs it
     saved_ok = not (softcap and smoothing > 0)
     scalar = reduction != "none"
     if cfg.strategy != "auto":
-        ok = {"saved": saved_ok, "grad_in_forward": scalar, "recompute": True}[cfg.strategy]
+        ok = {"saved": saved_ok, "grad_in_forward": scalar and saved_ok,
+              "recompute": True}[cfg.strategy]
         return (cfg.strategy if ok else "recompute"), None, None
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
@@ -51,8 +53,10 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         return "saved", None, None
     # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
     # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
-    if scalar and world == 1 and backend.gif_extra_bytes(n, v, h, cfg) <= budget:
-        return "grad_in_forward", None, None
+    if scalar and world == 1 and saved_ok and n:
+        rows = backend.gif_chunk_rows(n, v, h, size, budget, cfg)
+        if rows:
+            return "grad_in_forward", None, rows
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
     if saved_ok and n:

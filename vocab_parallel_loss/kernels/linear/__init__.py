@@ -9,9 +9,8 @@ functions; the files hold one idea each:
                (``forward_stats``) and dlogits with the gradient GEMMs (``backward``), 8NHV
 ``gemm.py``    the gradient GEMMs with fp32 accumulation (cuBLAS or a Triton GEMM)
 ``saved.py``   the saved-tiles strategy: the forward saves the logits tiles, backward turns
-               them into dlogits in place and runs two GEMMs, 6NHV
-``rows.py``    the grad-in-forward path for scalar losses: materialized fp32 row chunks and
-               memory-bound row kernels, 6NHV
+               them into dlogits in place and runs two GEMMs, 6NHV; the same tiles a row
+               chunk at a time give scalar losses their gradients in forward
 ``common.py``  helpers the kernel files share, and ``LogprobArgs``: every kernel above also runs
                in a log-prob mode (``autograd/linear_logprobs.py``)
 
@@ -24,13 +23,13 @@ from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
 from .fused import backward, forward_split, forward_stats
 from .gemm import gemm_acc, gemm_store
-from .rows import chunk_logits, gif_chunk_rows, gif_extra_bytes, rows_dz_inplace, rows_stats
-from .saved import SavedTiles, backward_saved, saved_bytes, saved_tiles
+from .saved import (SavedTiles, backward_saved, gif_chunk_rows, gif_extra_bytes, rows_of,
+                    saved_bytes, saved_dz_inplace, saved_tiles)
 
 __all__ = [
     "AMPERE_CONFIG", "HOPPER_CONFIG", "INTERPRET_CONFIG", "LCEConfig", "LogprobArgs", "SavedTiles",
     "backward",
-    "backward_saved", "chunk_logits", "saved_bytes", "saved_tiles",
+    "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
-    "gif_chunk_rows", "gif_extra_bytes", "rows_dz_inplace", "rows_stats",
+    "gif_chunk_rows", "gif_extra_bytes",
 ]

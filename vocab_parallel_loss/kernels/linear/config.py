@@ -30,10 +30,11 @@ class LCEConfig:
     caller's ``memory_budget`` when this is ``"auto"``; tests and benchmarks force one):
     ``"saved"`` (the forward saves every logits tile, ``saved.py``: 6NHV for any upstream
     gradient, ``N x V_local`` elements held until backward), ``"grad_in_forward"`` (scalar
-    losses: both gradients formed in forward from ``gif_rows``-row chunks of fp32 logits,
-    6NHV, an fp32 ``(V_local, H)`` ``dC`` accumulator, ``rows.py``) or ``"recompute"``
+    losses: both gradients formed in forward from the saved tiles of row chunks of at most
+    ``gif_rows`` rows, 6NHV, an fp32 ``(V_local, H)`` ``dC`` accumulator, ``saved.py``) or
+    ``"recompute"``
     (backward recomputes the logits in ``chunk_bytes`` column chunks: 8NHV, memory
-    independent of V). ``row_block`` / ``row_warps``: the memory-bound row kernels.
+    independent of V). ``row_block`` / ``row_warps``: the saved tiles' memory-bound dz pass.
 
     ``fwd_desc`` / ``bwd_desc``: read E and C through TMA descriptors (Hopper+, 16-bit, aligned
     rows; the copy engine's zero fill replaces the masks). ``fwd_flat`` (with descriptors): the

@@ -15,6 +15,11 @@ Memory: ``N x V`` elements of the input dtype plus ``N x V / BLOCK_V`` fp32 tile
 from forward to backward (``saved_bytes``). Under a smaller budget only the first columns are
 saved and backward recomputes the rest (``fused.backward``, 8NHV on those), adding into the same
 fp32 dE.
+
+For a scalar loss the same tiles, a chunk of rows at a time, let the forward form both
+gradients (``LCEConfig.strategy`` "grad_in_forward", ``autograd/linear.py``): each chunk's
+statistics are complete once its tiles are folded, so ``dz`` follows at once; dE rows are one
+GEMM each, dC accumulates over the chunks in fp32 (``gif_chunk_rows`` sizes them to a budget).
 """
 
 from __future__ import annotations
@@ -113,6 +118,60 @@ def _saved_dz_kernel(
         tl.store(u_row + cols, dx.to(U.dtype.element_ty), mask=mask)
 
 
+def rows_of(saved: SavedTiles, rows: int) -> SavedTiles:
+    """The first ``rows`` rows of a buffer from ``saved_tiles``, as tiles of ``rows`` rows (the
+    tile maxima re-laid out densely: the kernels index them by the row count)."""
+    nt = saved.tile_max.shape[0]
+    return SavedTiles(saved.u[:rows], saved.tile_max.view(-1)[:nt * rows].view(nt, rows),
+                      saved.block_v)
+
+
+def saved_dz_inplace(saved: SavedTiles, targets: torch.Tensor, v_offset: int,
+                     coef: torch.Tensor, softcap: Optional[float], cfg: LCEConfig,
+                     logprob: Optional[LogprobArgs] = None) -> torch.Tensor:
+    """Turn the saved tiles into ``dz`` in place (``_saved_dz_kernel``) and return it."""
+    dz = saved.u
+    n, v = dz.shape
+    if n:
+        inv_t = coef if logprob is None else logprob.inv_t
+        _saved_dz_kernel[(n,)](
+            dz, saved.tile_max, targets, coef, inv_t, n, v, dz.stride(0), targets.stride(0),
+            0 if inv_t.numel() == 1 else inv_t.stride(0), v_offset,
+            float(softcap) if softcap else 1.0, 1.0 if logprob is None else float(logprob.scale),
+            HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
+            TILE_V=saved.block_v, BLOCK=cfg.row_block, num_warps=cfg.row_warps, **PINNED)
+    return dz
+
+
+def gif_extra_bytes(n: int, v: int, h: int, element_size: int, rows: int,
+                    cfg: LCEConfig) -> int:
+    """Extra memory of the gradients formed in forward: one chunk of ``rows`` saved rows, and
+    the fp32 dC and dE held until backward scales them by the upstream gradient."""
+    return saved_bytes(rows, v, element_size, cfg) + v * h * 4 + n * h * 4
+
+
+def gif_chunk_rows(n: int, v: int, h: int, element_size: int, budget: float,
+                   cfg: LCEConfig) -> int:
+    """Rows per chunk of the gradients formed in forward under ``budget`` bytes: at most
+    ``cfg.gif_rows``, chunks of equal size in whole row blocks; 0 when fewer than four row
+    blocks (or ``cfg.gif_rows``) fit: the fp32 dC's read-modify-write per chunk would then cost
+    more than the recomputation it saves."""
+    fixed = v * h * 4 + n * h * 4
+    per_row = saved_bytes(1, v, element_size, cfg)
+    fit = min(cfg.gif_rows, int((budget - fixed) // per_row)) if budget >= fixed else 0
+    block = cfg.fwd_block_n
+    if fit < min(n, cfg.gif_rows, 4 * block):
+        return 0
+    if fit >= n:
+        return max(n, 1)
+    chunks = triton.cdiv(n, fit)
+    while True:  # the same work per chunk, each a whole number of row blocks
+        rows = triton.cdiv(triton.cdiv(n, chunks), block) * block
+        if rows <= fit:
+            return rows
+        chunks += 1
+
+
 def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_needs_grad: bool,
                    targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
                    softcap: Optional[float], need_de: bool, need_dc: bool,
@@ -123,16 +182,7 @@ def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_nee
     ``(dE (N, H) in de_dtype or None, dC in c.dtype or None (in ``dc_out`` when given), dbias
     fp32 (V,) or None)``."""
     n, h = e.shape
-    v = c.shape[0]
-    dz = saved.u
-    if n:
-        inv_t = coef if logprob is None else logprob.inv_t
-        _saved_dz_kernel[(n,)](
-            dz, saved.tile_max, targets, coef, inv_t, n, v, dz.stride(0), targets.stride(0),
-            0 if inv_t.numel() == 1 else inv_t.stride(0), v_offset,
-            float(softcap) if softcap else 1.0, 1.0 if logprob is None else float(logprob.scale),
-            HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
-            TILE_V=saved.block_v, BLOCK=cfg.row_block, num_warps=cfg.row_warps, **PINNED)
+    dz = saved_dz_inplace(saved, targets, v_offset, coef, softcap, cfg, logprob)
     de = dc = db = None
     if need_de:
         de = torch.empty((n, h), dtype=de_dtype, device=e.device)
