@@ -83,6 +83,8 @@ def case_hidden(sp, unequal, budget):
     t = torch.randint(0, vocab, (s, b), generator=g)
     t[0, 0] = -100
     g_lp, g_ent = torch.randn(s, b, generator=g), torch.randn(s, b, generator=g)
+    # a per-token temperature for the split cases (the full [s, b] one under sequence parallel)
+    temp = torch.rand(s, b, generator=g, dtype=torch.float64) + 0.5 if budget == "split" else 0.8
     rows = slice(rank * (s // world), (rank + 1) * (s // world))
     start, stop = rank * v_local, min(vocab, (rank + 1) * v_local)
     e_mine = (e[rows] if sp else e).float().requires_grad_()
@@ -99,13 +101,14 @@ def case_hidden(sp, unequal, budget):
                                      None, 0.0, memory_budget)
             assert picked == ("saved", None, cfg.fwd_block_v), picked
     out = linear_token_logprobs(e_mine, c_mine, t, tp_group=dist.group.WORLD,
-                                sequence_parallel=sp, temperature=0.8, return_entropy=True,
-                                return_argmax=True, memory_budget=memory_budget,
+                                sequence_parallel=sp, return_entropy=True, return_argmax=True,
+                                temperature=temp.float() if budget == "split" else temp,
+                                memory_budget=memory_budget,
                                 vocab_range=(start, stop) if unequal else None)
     for x in out:
         same_on_every_rank(x)
     e64, c64 = e.clone().requires_grad_(), c.clone().requires_grad_()
-    lp, ent, am = oracle(e64 @ c64.t(), t, 0.8, valid=vocab)
+    lp, ent, am = oracle(e64 @ c64.t(), t, temp, valid=vocab)
     close("log_probs", out.log_probs, lp.detach())
     close("entropy", out.entropy, ent.detach())
     assert torch.equal(out.argmax, am)

@@ -28,7 +28,7 @@ from .. import backends, communication
 from ..formulas import merge_logprob_stats
 from ..runtime import untraced
 from .first_order import refuse_double_backward
-from .logprobs import Options, finish, upstream_grad
+from .logprobs import Options, finish, hidden_grad, upstream_grad
 from .strategy import choose_strategy
 
 
@@ -144,11 +144,7 @@ class _LinearLogprobs(torch.autograd.Function):
         if need_e:
             if de is None:  # no rows or no vocabulary columns here: this rank adds zeros
                 de = torch.zeros(e2.shape, dtype=torch.float32, device=e.device)
-            if ctx.sp:
-                de = communication.reduce_scatter_along_first_dim(de.view(full.shape), o.group)
-            else:
-                de = communication.all_reduce_sum(de, o.group)
-            de_out = de.to(e.dtype).view(e.shape)
+            de_out = hidden_grad(de, full.shape, e, o.group, ctx.sp)
         return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None,
                 None)
 

@@ -95,6 +95,17 @@ def upstream_grad(g, n, like, ignored, bad=None):
     return g.contiguous()
 
 
+def hidden_grad(de, full_shape, e, group, sequence_parallel: bool):
+    """The hidden states' gradient from this rank's ``de`` over the gathered rows: summed over
+    the TP group (with sequence parallelism reduce-scattered back to this rank's sequence
+    shard), then rounded once to ``e``'s dtype and shape."""
+    if sequence_parallel:
+        de = communication.reduce_scatter_along_first_dim(de.view(full_shape), group)
+    else:
+        de = communication.all_reduce_sum(de, group)
+    return de.to(e.dtype).view(e.shape)
+
+
 class _FromLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, t, inv_t, o: Options):
@@ -215,13 +226,7 @@ class _FromHidden(torch.autograd.Function):
                     gemm.store(dc[c0:c1], dzk.t(), e2)  # each dC row once, rounded once
                 if need_b:
                     db[c0:c1] = dzk.sum(dim=0, dtype=acc)
-        de_out = None
-        if need_e:
-            if ctx.sp:
-                de = communication.reduce_scatter_along_first_dim(de.view(full.shape), o.group)
-            else:
-                de = communication.all_reduce_sum(de, o.group)
-            de_out = de.to(e.dtype).view(e.shape)
+        de_out = hidden_grad(de, full.shape, e, o.group, ctx.sp) if need_e else None
         return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None)
 
 
