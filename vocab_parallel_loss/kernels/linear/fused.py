@@ -196,7 +196,7 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
     d = x - mt[:, None]
     u = tl.exp(d)
     st = tl.sum(u, axis=1)
-    wt = tl.sum(tl.where(u > 0.0, u * d, 0.0), axis=1)  # 0, not 0 * -inf, past V
+    wt = tl.sum(u * tl.where(col_mask[None, :], d, 0.0), axis=1)  # 0, not 0 * -inf, past V
     if NEED_ARGMAX:  # a later tile takes over only with a strictly larger max: first on ties
         first = tl.min(tl.where(x == mt[:, None], cols[None, :], V), axis=1)
         best_col = tl.where(mt > m, first, best_col)
@@ -213,7 +213,7 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
     a = tl.exp(m - m_new)
     b = tl.exp(mt - m_new)
     # both terms moved to the new max (the running one only once it holds a column)
-    w = a * (w + tl.where(s > 0.0, (m - m_new) * s, 0.0)) + b * (wt + (mt - m_new) * st)
+    w = a * (w + tl.where(s > 0.0, m - m_new, 0.0) * s) + b * (wt + (mt - m_new) * st)
     s = a * s + b * st
     return m_new, s, w, tg, best_col
 
