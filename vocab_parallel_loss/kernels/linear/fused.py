@@ -32,6 +32,12 @@ descriptors, whose zero fill past the ends replaces the masks (``LCEConfig.fwd_d
 overlap a tile's epilogue (``fwd_flat``); the forward that saves its tiles for backward
 (``saved.py``) then stores them through a descriptor as well (asynchronous, clipped at the
 ends by the copy engine: 2% faster than stores from registers at N=16384, H=4096).
+
+Log-prob mode (``logprob=LogprobArgs``, the ``LOGPROB`` constexpr; ``autograd/linear_logprobs.py``):
+the logits are ``cap(scale z) / T`` with one ``1 / T`` per row; the forward folds each tile into
+the five log-prob statistics (``_fold_logprob_tile``: ``(SPLIT, 5, N)``, merged by
+``formulas.merge_logprob_stats``) and the dlogits kernel adds ``gx * softmax * (x - lse)`` (the
+entropy's gradient) from a sixth coefficient row. Without it the kernels compile as before.
 """
 
 from __future__ import annotations
@@ -359,9 +365,11 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n
         gx = tl.load(COEF + 5 * N + r64)
         d = x - lse[:, None]
         p = tl.exp(d)
-        dx = (gp[:, None] + gx[:, None] * d) * p - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
+        dx = ((gp[:, None] + gx[:, None] * d) * p - gc[:, None]
+              - tl.where(onehot, gt[:, None], 0.0))
     else:
-        dx = gp[:, None] * tl.exp(x - lse[:, None]) - gc[:, None] - tl.where(onehot, gt[:, None], 0.0)
+        dx = (gp[:, None] * tl.exp(x - lse[:, None]) - gc[:, None]
+              - tl.where(onehot, gt[:, None], 0.0))
     if HAS_SOFTCAP:
         dx = dx * (1.0 - th * th)
     if LOGPROB:
