@@ -269,3 +269,29 @@ def test_second_derivative_is_refused(impl):
     for out, leaf in ((linear_token_logprobs(e, c, t), e), (token_logprobs(z, t), z)):
         with pytest.raises(RuntimeError, match="second derivative"):
             torch.autograd.grad(out.log_probs.sum(), leaf, create_graph=True)
+
+
+def test_megatron_output_processor_passes_its_context(monkeypatch):
+    # the context's temperature ([b, s] -> the hidden states' [s, b]), ignore index and memory
+    # budget reach linear_token_logprobs; the outputs come back [b, s]
+    from types import SimpleNamespace
+
+    from vocab_parallel_loss.verl import _megatron
+
+    seen = {}
+
+    def fake(hidden, weight, target, bias, **kw):
+        seen.update(kw, target=target)
+        z = torch.zeros(target.shape)
+        return SimpleNamespace(log_probs=z + 1, entropy=z + 2)
+
+    monkeypatch.setattr(_megatron, "linear_token_logprobs", fake)
+    temp = torch.rand(2, 5) + 0.5
+    labels = torch.randint(0, 7, (2, 5))
+    out = _megatron.output_processor(
+        hidden_states=torch.zeros(5, 2, 4), output_layer=SimpleNamespace(weight=torch.zeros(7, 4),
+                                                                         tp_group="tp"),
+        labels=labels, context={"temperature": temp, "ignore_index": -1, "memory_budget": 123})
+    assert seen["memory_budget"] == 123 and seen["ignore_index"] == -1 and seen["tp_group"] == "tp"
+    assert torch.equal(seen["temperature"], temp.t()) and torch.equal(seen["target"], labels.t())
+    assert out["log_probs"].shape == (2, 5) and torch.all(out["entropy"] == 2)

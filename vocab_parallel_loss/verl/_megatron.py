@@ -10,8 +10,8 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
                      context=None, config=None, **_):
     """Return ``{"log_probs": [b, s], "entropy": [b, s]}`` for ``labels`` ``[b, s]``.
 
-    ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0) and
-    ``ignore_index`` (default -100). The hidden states arrive ``[s, b, h]`` (sequence-sharded
+    ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0),
+    ``ignore_index`` (default -100) and ``memory_budget`` (bytes, ``linear_token_logprobs``'s). The hidden states arrive ``[s, b, h]`` (sequence-sharded
     under sequence parallelism); the classifier is the output layer's weight shard (or the
     shared embedding weight that megatron-core passes as ``output_weight``).
     """
@@ -31,5 +31,6 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
         temperature = temperature.t()  # [b, s] -> [s, b], the hidden states' order
     out = linear_token_logprobs(hidden_states, weight, labels.t(), bias, tp_group=group,
                                 sequence_parallel=sp, temperature=temperature,
-                                ignore_index=ctx.get("ignore_index", -100), return_entropy=True)
+                                ignore_index=ctx.get("ignore_index", -100), return_entropy=True,
+                                memory_budget=ctx.get("memory_budget"))
     return {"log_probs": out.log_probs.t(), "entropy": out.entropy.t()}
