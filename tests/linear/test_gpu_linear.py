@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests._cuda_graph import assert_capture_replays_eager
 from vocab_parallel_loss import linear_cross_entropy
 
 K = importlib.import_module("vocab_parallel_loss.kernels.linear")
@@ -214,19 +215,7 @@ def test_cuda_graph_capture(budget):
                                     memory_budget=budget)
         return (loss, *torch.autograd.grad(loss, (e, c)))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            eager = step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b_ in zip(captured, eager):
-        assert torch.equal(a, b_)
+    assert_capture_replays_eager(step)
 
 
 @pytest.mark.parametrize("n,h,v", [(4096, 4096, 32000), (8192, 4096, 16032)])

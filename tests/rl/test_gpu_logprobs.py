@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._cuda_graph import assert_capture_replays_eager
 from vocab_parallel_loss import linear_token_logprobs
 from vocab_parallel_loss.autograd.strategy import choose_strategy
 from vocab_parallel_loss.kernels import linear as K
@@ -98,19 +99,7 @@ def test_cuda_graph_capture(budget):
         total = (out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()
         return (out.log_probs, out.entropy, *torch.autograd.grad(total, (e, c)))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            eager = step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
-    torch.cuda.synchronize()
-    for a, b_ in zip(captured, eager):
-        assert torch.equal(a, b_)
+    assert_capture_replays_eager(step)
 
 
 def test_memory_follows_the_budget():
