@@ -72,6 +72,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     impl: str = "auto",
     memory_budget: Optional[float] = None,
+    gradient_accumulation_fusion: bool = False,
 ):
     """Cross entropy of ``e @ c.T (+ bias)`` over the full (TP-sharded) vocabulary, fused.
 
@@ -106,6 +107,13 @@ def linear_cross_entropy(
         accumulator; 6NHV; without TP), else recomputing the logits in backward in column
         chunks (8NHV, about 0.4 GiB at 16K tokens of H=4096; a smaller budget narrows the
         chunks). The results agree to rounding; the PyTorch backend ignores it.
+    gradient_accumulation_fusion : add the gradient of ``c`` into ``c.main_grad`` (fp32, or
+        any float dtype: accumulated in fp32 and rounded once into it) instead of returning it,
+        as megatron-core's output layer does under its flag of that name: ``c`` then receives
+        zeros and ``c.grad_added_to_main_grad = True`` (so that megatron-core's DDP hook does
+        not add them again), or no gradient where ``c`` lacks that attribute. Needs
+        ``c.main_grad`` shaped like ``c``. Saves the ``(V_local, H)`` gradient in ``c``'s dtype
+        and its rounding. Both backends.
 
     Returns
     -------
@@ -120,6 +128,7 @@ def linear_cross_entropy(
     _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
               sequence_parallel, label_smoothing, z_loss, impl)
     checks.check_memory_budget(memory_budget)
+    checks.check_main_grad(c, gradient_accumulation_fusion)
     targets = checks.widened_target(targets, int(ignore_index), "targets")
     if settings.flag(settings.CHECK_TARGETS, False):
         vocab = c.shape[0] * communication.world_size(tp_group)
@@ -131,7 +140,8 @@ def linear_cross_entropy(
         e, c, bias, targets, backends.linear_backend(impl, e), ignore_index=int(ignore_index),
         softcap=float(softcap) if softcap else None, reduction=reduction, shift=int(shift),
         group=tp_group, sequence_parallel=bool(sequence_parallel),
-        smoothing=float(label_smoothing), z_loss=float(z_loss), memory_budget=memory_budget)
+        smoothing=float(label_smoothing), z_loss=float(z_loss), memory_budget=memory_budget,
+        main_grad=gradient_accumulation_fusion)
     return (loss, lse) if return_lse else loss
 
 

@@ -70,10 +70,14 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
     def __init__(self, ignore_index: int = -100, softcap: Optional[float] = None,
                  reduction: str = "mean", shift: int = 0, return_lse: bool = False, *,
                  tp_group=None, sequence_parallel: bool = False, label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, impl: str = "auto", memory_budget: Optional[float] = None):
+                 z_loss: float = 0.0, impl: str = "auto", memory_budget: Optional[float] = None,
+                 gradient_accumulation_fusion: bool = False):
         super().__init__()
         # every option checked here, as linear_cross_entropy checks it, not at the first forward
         checks.check_memory_budget(memory_budget)
+        if not isinstance(gradient_accumulation_fusion, bool):
+            raise TypeError(f"gradient_accumulation_fusion must be a bool, got "
+                            f"{gradient_accumulation_fusion!r}")
         checks.check_reduction(reduction)
         checks.check_smoothing(label_smoothing)
         checks.check_z_loss(z_loss)
@@ -92,6 +96,7 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
         self.z_loss = z_loss
         self.impl = impl
         self.memory_budget = memory_budget
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                 bias: Optional[torch.Tensor] = None):
@@ -100,11 +105,13 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
             reduction=self.reduction, shift=self.shift, return_lse=self.return_lse,
             tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl,
-            memory_budget=self.memory_budget)
+            memory_budget=self.memory_budget,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
                 f"softcap={self.softcap}, shift={self.shift}, "
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
                 f"sequence_parallel={self.sequence_parallel}, impl={self.impl!r}, "
-                f"memory_budget={self.memory_budget}")
+                f"memory_budget={self.memory_budget}, "
+                f"gradient_accumulation_fusion={self.gradient_accumulation_fusion}")

@@ -54,6 +54,7 @@ class _Opts:
     saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
     gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
+    main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``_main_grad_dummy``)
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
@@ -161,7 +162,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         count = (~ignored).sum() if o.reduction == "mean" else None
         ctx.save_for_backward(e, c, bias, targets, lse, count, *kept)
-        ctx.consumed = False
+        ctx.consumed = None
         ctx.o = o
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
 
@@ -180,6 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         if torch.is_grad_enabled():  # create_graph=True
             refuse_double_backward("linear_cross_entropy")
+        _refuse_if_consumed(ctx)  # before unpacking: autograd would name a version instead
         e, c, bias, targets, lse, count, *kept = ctx.saved_tensors
         o: _Opts = ctx.o
         v_global, v_offset, full_shape, shifted_shape = ctx.meta
@@ -190,13 +192,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dev = e.device
         de32 = dc = db = None
         e2 = t2 = None
+        home = c.main_grad if (o.main_grad and need_dc) else None
         if o.strategy == "saved":
-            if ctx.consumed:
-                raise RuntimeError(
-                    "linear_cross_entropy: a second backward through the same loss; this call "
-                    "turned its saved logits into gradients in the first one (memory_budget "
-                    "allowed the saved-tiles strategy). Pass memory_budget=0 to backward twice.")
-            ctx.consumed = True
+            _consume(ctx, "its saved logits")
             u, tile_max, x_t = kept
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
@@ -204,7 +202,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                          x_t=x_t)
             de32, dc, db = _backward_saved(o.backend.SavedTiles(u, tile_max, ctx.tile_v), e2,
                                            c, bias, t2, v_offset, coef, o, need_de, need_dc,
-                                           need_db)
+                                           need_db, home)
         elif o.strategy == "grad_in_forward":
             de_f, dc_f, db_f = kept
             # gradients of the loss were formed in forward with an upstream gradient of 1
@@ -212,22 +210,33 @@ class _LinearCrossEntropy(torch.autograd.Function):
                   else torch.zeros((), dtype=torch.float32, device=dev))
             if need_de:
                 de32 = de_f * gl
-            if need_dc:
-                dc = torch.empty_like(c, memory_format=torch.contiguous_format)
-                torch.mul(dc_f, gl, out=dc) if grad_lse is None else dc.copy_(dc_f * gl)
             if need_db:
                 db = db_f * gl
+            if need_dc:
+                if grad_lse is not None:
+                    dc32 = dc_f * gl
+                elif home is not None:
+                    home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
+                elif c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
+                    _consume(ctx, "its fp32 weight gradient")
+                    dc = dc_f.mul_(gl)
+                else:
+                    dc = torch.empty_like(c, memory_format=torch.contiguous_format)
+                    torch.mul(dc_f, gl, out=dc)
             if grad_lse is not None:  # the lse output's gradient: the usual recompute pass
                 e2, t2, _, _ = _rows(e, targets, o)
                 coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
-                x_de, x_dc, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
-                                                      need_de, need_dc, need_db)
+                x_de, _, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
+                                                   need_de, need_dc, need_db,
+                                                   dc_acc=dc32 if need_dc else None)
                 if need_de:
                     de32 = de32 + x_de
-                if need_dc:
-                    dc = (dc_f * gl + x_dc.float()).to(c.dtype)
                 if need_db:
                     db = db + x_db
+                if need_dc and home is not None:
+                    home.add_(dc32)  # rounded once into main_grad's dtype
+                elif need_dc:
+                    dc = dc32.to(c.dtype)
         else:
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
@@ -235,7 +244,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             cfg = o.backend.default_config(e.device) if o.chunk_bytes else None
             de32, dc, db = o.backend.backward(
                 e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc, need_db,
-                **({"config": cfg.replace(chunk_bytes=o.chunk_bytes)} if cfg else {}))
+                dc_acc=home, **({"config": cfg.replace(chunk_bytes=o.chunk_bytes)} if cfg else {}))
+        if home is not None:
+            dc = _main_grad_dummy(c)
         de = None
         if need_de:
             if not o.sequence_parallel:  # else the reduce-scatter below does the sum
@@ -273,10 +284,11 @@ def _forward_saving(e2, c, bias, t2, v_offset: int, o: _Opts):
 
 
 def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_de: bool,
-                    need_dc: bool, need_db: bool):
+                    need_dc: bool, need_db: bool, home=None):
     """Gradients of the saved-tiles strategy: from the saved columns, then, when only the first
     ones were saved, the rest recomputed into the same fp32 dE. Returns ``(dE, dC, dbias)``
-    with dE in the input dtype where it is final already (all columns saved, no TP)."""
+    with dE in the input dtype where it is final already (all columns saved, no TP); dC is
+    None when added into ``home`` (a ``main_grad``)."""
     K = o.backend
     cfg = K.default_config(e2.device)
     v = c.shape[0]
@@ -285,18 +297,47 @@ def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_
     # without TP and recomputed columns dE is final: round it once straight into the input dtype
     de_dtype = (e2.dtype if whole and communication.world_size(o.group) == 1
                 else torch.float32)
-    dc = torch.empty_like(c, memory_format=torch.contiguous_format) if need_dc else None
+    dc = (torch.empty_like(c, memory_format=torch.contiguous_format)
+          if need_dc and home is None else None)
     de, _, db = K.backward_saved(saved, e2, c[:vs], need_db, t2, v_offset, coef, o.softcap,
                                  need_de, need_dc, de_dtype, cfg,
-                                 dc_out=None if dc is None else dc[:vs])
+                                 dc_out=None if dc is None else dc[:vs],
+                                 dc_acc=None if home is None else home[:vs])
     if whole:
         return de, dc, db
     _, _, db_rest = K.backward(
         e2, c[vs:], None if bias is None else bias[vs:], t2, v_offset + vs, coef[:4],
         o.softcap, need_de, need_dc, need_db,
         config=cfg, de_acc=de,
-        dc_out=None if dc is None else dc[vs:])
+        dc_out=None if dc is None else dc[vs:], dc_acc=None if home is None else home[vs:])
     return de, dc, None if db is None else torch.cat([db, db_rest])
+
+
+def _consume(ctx, what: str) -> None:
+    """Note that this backward turns ``what`` into gradients in place (the saved tiles become
+    dz; the fp32 dC accumulator becomes the gradient): a second backward is refused."""
+    ctx.consumed = what
+
+
+def _refuse_if_consumed(ctx) -> None:
+    if ctx.consumed:
+        raise RuntimeError(
+            f"linear_cross_entropy: a second backward through the same loss; this call turned "
+            f"{ctx.consumed} into gradients in the first one (memory_budget allowed a strategy "
+            f"that works in place). Pass memory_budget=0 to backward twice.")
+
+
+def _main_grad_dummy(c: torch.Tensor):
+    """What autograd receives for ``c`` once its gradient is in ``c.main_grad``: megatron-core's
+    protocol for gradient-accumulation fusion (``ColumnParallelLinear``). Zeros, flagged by
+    ``grad_added_to_main_grad`` so that DDP's hook does not add them again (a tied embedding's
+    own gradient then still arrives, summed with zeros); None where ``c`` has no such flag.
+    Zeros rather than megatron-core's uninitialized buffer: nothing reads garbage if no hook
+    runs."""
+    if not hasattr(c, "grad_added_to_main_grad"):
+        return None
+    c.grad_added_to_main_grad = True
+    return torch.zeros_like(c, memory_format=torch.contiguous_format)
 
 
 def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
@@ -373,11 +414,11 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
 
 def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, reduction: str,
                 shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float,
-                memory_budget=None):
+                memory_budget=None, main_grad: bool = False):
     """The loss and per-token lse of checked arguments (``functional.linear_cross_entropy``)."""
     strategy, chunk_bytes, size = choose_strategy(backend, e, c, bias, reduction,
                                                   sequence_parallel, group, softcap, smoothing,
-                                                  memory_budget)
+                                                  memory_budget, main_grad)
     o = _Opts(ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
               group=group,
               sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
@@ -385,7 +426,7 @@ def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, red
               strategy=strategy, chunk_bytes=chunk_bytes,
               saved_cols=size if strategy == "saved" else None,
               gif_rows=size if strategy == "grad_in_forward" else None,
-              seq_dim=0 if sequence_parallel else -2)
+              seq_dim=0 if sequence_parallel else -2, main_grad=main_grad)
     if backend is TorchBackend:  # plain PyTorch: Dynamo traces it into the graph
         return _LinearCrossEntropy.apply(e, c, bias, targets, o)
     return untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o)

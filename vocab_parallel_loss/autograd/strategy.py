@@ -21,13 +21,25 @@ from ..reference.linear import TorchBackend
 DEFAULT_MEMORY_BUDGET = 2 << 30
 
 
+def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
+                    main_grad: bool = False) -> int:
+    """What the gradients formed in forward hold besides one chunk's saved tiles, beyond the
+    gradients the call returns (``memory_budget``'s measure): the fp32 dC accumulator less the
+    dC returned (none for fp32 weights, whose gradient it becomes; all of it when dC goes to a
+    ``main_grad`` instead) and the fp32 dE less the dE returned."""
+    dc = v * h * (4 if main_grad else 4 - c.element_size()) if c.requires_grad else 0
+    de = n * h * (4 - e.element_size()) if e.requires_grad else 0
+    return dc + max(de, 0)
+
+
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
-                    softcap, smoothing: float, memory_budget):
+                    softcap, smoothing: float, memory_budget, main_grad: bool = False):
     """``(strategy, recompute chunk bytes or None, size or None)``: the fastest way to form the
     gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md, section 7,
     "Strategies"); ``size`` is the leading columns saved (``"saved"``; None: all of them) or the
     rows per chunk (``"grad_in_forward"``; None: ``LCEConfig.gif_rows``).
-    ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies.
+    ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies. ``main_grad``:
+    dC is added into ``c.main_grad`` (gradient-accumulation fusion), not returned.
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""
@@ -54,7 +66,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
     # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
     if scalar and world == 1 and saved_ok and n:
-        rows = backend.gif_chunk_rows(n, v, h, size, budget, cfg)
+        room = budget - gif_fixed_bytes(n, v, h, e, c, main_grad)
+        rows = backend.gif_chunk_rows(n, v, size, room, cfg)
         if rows:
             return "grad_in_forward", None, rows
     block = cfg.bwd_block_v

@@ -68,7 +68,9 @@ class TorchBackend:
 
     @classmethod
     def backward(cls, e, c, bias, targets, v_offset, coef, softcap, need_de, need_dc,
-                 need_dbias):
+                 need_dbias, dc_acc=None):
+        """``(dE, dC in c.dtype, dbias)``; with ``dc_acc`` dC is added into it instead (rounded
+        once there) and returned as None."""
         n, h = e.shape
         v = c.shape[0]
         dev = e.device
@@ -97,5 +99,8 @@ class TorchBackend:
             if need_dbias:
                 db += dx.sum(dim=0)
             del dx
+        if need_dc and dc_acc is not None:
+            dc_acc.add_(dc32)
+            return de, None, db
         dc = dc32.to(c.dtype) if need_dc else None
         return de, dc, db

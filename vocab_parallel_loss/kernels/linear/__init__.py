@@ -23,7 +23,7 @@ from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
 from .fused import backward, forward_split, forward_stats
 from .gemm import gemm_acc, gemm_store
-from .saved import (SavedTiles, backward_saved, gif_chunk_rows, gif_extra_bytes, rows_of,
+from .saved import (SavedTiles, backward_saved, gif_chunk_rows, rows_of,
                     saved_bytes, saved_dz_inplace, saved_tiles)
 
 __all__ = [
@@ -31,5 +31,5 @@ __all__ = [
     "backward",
     "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
-    "gif_chunk_rows", "gif_extra_bytes",
+    "gif_chunk_rows",
 ]

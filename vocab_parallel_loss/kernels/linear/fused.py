@@ -534,12 +534,15 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
              targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
              softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
              config: Optional[LCEConfig] = None, de_acc: Optional[torch.Tensor] = None,
-             dc_out: Optional[torch.Tensor] = None, logprob: Optional[LogprobArgs] = None):
+             dc_out: Optional[torch.Tensor] = None, logprob: Optional[LogprobArgs] = None,
+             dc_acc: Optional[torch.Tensor] = None):
     """Gradients of ``sum_n [gp_n * lse_n - gt_n * x_{n,t_n} - gc_n * sum_j x_{n,j}]``.
 
     ``coef (4, N)`` fp32 rows: lse, gp, gt, gc. Returns ``(dE fp32 (N, H) or None,
     dC in c.dtype (V, H) or None, dbias fp32 (V,) or None)``. ``de_acc``: an fp32 dE to add
-    to (the columns before ``c``'s already in it); ``dc_out``: where dC goes. With ``logprob``
+    to (the columns before ``c``'s already in it); ``dc_out``: where dC goes; ``dc_acc``: a
+    ``(V, H)`` tensor dC is added to instead (a ``main_grad``; dC is then returned as None),
+    accumulated in fp32 and rounded once into its dtype. With ``logprob``
     the logits are ``cap(scale z) / T`` and ``coef`` is ``(6, N)``: its sixth row ``gx`` weighs
     ``softmax_j (x_j - lse)`` in dx as well (the entropy's gradient).
     """
@@ -551,7 +554,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     de = (de_acc if de_acc is not None
           else torch.empty((N, H), dtype=torch.float32, device=dev)) if need_de else None
     dc = ((dc_out if dc_out is not None
-           else torch.empty_like(c, memory_format=torch.contiguous_format)) if need_dc else None)
+           else torch.empty_like(c, memory_format=torch.contiguous_format))
+          if need_dc and dc_acc is None else None)
     db = torch.empty((V,), dtype=torch.float32, device=dev) if need_dbias else None
     if N == 0:
         if dc is not None:
@@ -593,8 +597,11 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         if need_de:
             # the first chunk stores: no zero-fill and one read fewer of the fp32 (N, H) dE
             (gemm_store if v0 == 0 and de_acc is None else gemm_acc)(de, dz, c[v0:v0 + nc], cfg)
-        if need_dc:  # dC_chunk = dz.T @ e, rounded once
-            gemm_store(dc[v0:v0 + nc], dz.t(), e, cfg)
+        if need_dc:  # dC_chunk = dz.T @ e, rounded once (into dc_acc: added, rounded once)
+            if dc_acc is None:
+                gemm_store(dc[v0:v0 + nc], dz.t(), e, cfg)
+            else:
+                gemm_acc(dc_acc[v0:v0 + nc], dz.t(), e, cfg)
         if need_dbias:
             db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
     return de, dc, db

@@ -128,11 +128,13 @@ class _Fp32Reductions:
 
 
 def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig) -> None:
-    """``acc += a @ b`` with ``acc`` fp32 and fp32 accumulation."""
-    if _use_torch_mm(a, cfg, "addmm"):
+    """``acc += a @ b`` accumulated in fp32 and rounded once into ``acc`` (fp32, or any float
+    dtype: a bf16 ``main_grad`` gets ``round(acc + a @ b)``, not the sum of two roundings)."""
+    same = acc.dtype == a.dtype
+    if (same or acc.dtype == torch.float32) and _use_torch_mm(a, cfg, "addmm"):
         try:
             with _Fp32Reductions():
-                if a.dtype == torch.float32:
+                if same:  # cuBLAS reads acc into its fp32 accumulator (beta = 1)
                     acc.addmm_(a, b)
                 else:
                     torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)

@@ -34,7 +34,7 @@ import triton.language as tl
 from ..launch import PINNED  # compile options every launch pins (FMA contraction)
 from .common import LogprobArgs
 from .config import LCEConfig
-from .gemm import gemm_store
+from .gemm import gemm_acc, gemm_store
 
 #: Row stride of ``u`` in elements is a multiple of this: 16-byte aligned rows for cuBLAS.
 _ROW_ALIGN = 8
@@ -143,22 +143,13 @@ def saved_dz_inplace(saved: SavedTiles, targets: torch.Tensor, v_offset: int,
     return dz
 
 
-def gif_extra_bytes(n: int, v: int, h: int, element_size: int, rows: int,
-                    cfg: LCEConfig) -> int:
-    """Extra memory of the gradients formed in forward: one chunk of ``rows`` saved rows, and
-    the fp32 dC and dE held until backward scales them by the upstream gradient."""
-    return saved_bytes(rows, v, element_size, cfg) + v * h * 4 + n * h * 4
-
-
-def gif_chunk_rows(n: int, v: int, h: int, element_size: int, budget: float,
-                   cfg: LCEConfig) -> int:
-    """Rows per chunk of the gradients formed in forward under ``budget`` bytes: at most
-    ``cfg.gif_rows``, chunks of equal size in whole row blocks; 0 when fewer than four row
-    blocks (or ``cfg.gif_rows``) fit: the fp32 dC's read-modify-write per chunk would then cost
-    more than the recomputation it saves."""
-    fixed = v * h * 4 + n * h * 4
+def gif_chunk_rows(n: int, v: int, element_size: int, room: float, cfg: LCEConfig) -> int:
+    """Rows per chunk of the gradients formed in forward when ``room`` bytes are left for one
+    chunk's saved tiles: at most ``cfg.gif_rows``, chunks of equal size in whole row blocks; 0
+    when fewer than four row blocks (or ``cfg.gif_rows``) fit: the fp32 dC's read-modify-write
+    per chunk would then cost more than the recomputation it saves."""
     per_row = saved_bytes(1, v, element_size, cfg)
-    fit = min(cfg.gif_rows, int((budget - fixed) // per_row)) if budget >= fixed else 0
+    fit = min(cfg.gif_rows, int(room // per_row)) if room > 0 else 0
     block = cfg.fwd_block_n
     if fit < min(n, cfg.gif_rows, 4 * block):
         return 0
@@ -176,18 +167,21 @@ def backward_saved(saved: SavedTiles, e: torch.Tensor, c: torch.Tensor, bias_nee
                    targets: torch.Tensor, v_offset: int, coef: torch.Tensor,
                    softcap: Optional[float], need_de: bool, need_dc: bool,
                    de_dtype: torch.dtype, cfg: LCEConfig, dc_out: Optional[torch.Tensor] = None,
-                   logprob: Optional[LogprobArgs] = None):
+                   logprob: Optional[LogprobArgs] = None, dc_acc: Optional[torch.Tensor] = None):
     """Gradients from saved tiles, which this consumes (``u`` becomes ``dz``). ``coef (5, N)``
     (``_saved_dz_kernel``; ``(6, N)`` with ``logprob``); ``c`` holds the saved columns. Returns
-    ``(dE (N, H) in de_dtype or None, dC in c.dtype or None (in ``dc_out`` when given), dbias
-    fp32 (V,) or None)``."""
+    ``(dE (N, H) in de_dtype or None, dC in c.dtype or None (in ``dc_out`` when given; None
+    when added into ``dc_acc``, rounded once there), dbias fp32 (V,) or None)``."""
     n, h = e.shape
     dz = saved_dz_inplace(saved, targets, v_offset, coef, softcap, cfg, logprob)
     de = dc = db = None
     if need_de:
         de = torch.empty((n, h), dtype=de_dtype, device=e.device)
         gemm_store(de, dz, c, cfg)
-    if need_dc:
+    if need_dc and dc_acc is not None:
+        if n:
+            gemm_acc(dc_acc, dz.t(), e, cfg)
+    elif need_dc:
         dc = dc_out if dc_out is not None else torch.empty_like(
             c, memory_format=torch.contiguous_format)
         if n:
