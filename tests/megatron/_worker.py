@@ -221,6 +221,33 @@ def named_grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def with_main_grads(model):
+    """What megatron-core's DistributedDataParallel does to the parameters for gradient
+    accumulation (its buffers need CUDA, so without them): an fp32 ``main_grad`` per parameter,
+    ``grad_added_to_main_grad = False`` and megatron-core's own backward post-hook on each
+    gradient accumulator, which adds ``.grad`` into ``main_grad`` unless a layer already did."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    ddp = SimpleNamespace(param_to_bucket_group={p: None for p in params},
+                          ddp_config=SimpleNamespace(overlap_grad_reduce=False))
+    model.config.gradient_accumulation_fusion = True
+    model._grad_accs = []
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(DistributedDataParallel._make_backward_post_hook(ddp, p))
+        model._grad_accs.append(acc)  # the hooks live as long as the accumulators
+    return model
+
+
+def named_main_grads(model):
+    return {n: p.main_grad.clone() for n, p in model.named_parameters() if p.main_grad.any()}
+
+
 def check_model_and_curve(ps):
     """Full GPTModel forward+backward: our loss vs the native path, then 10 AdamW steps."""
     from vocab_parallel_loss.megatron import VocabParallelLossConfig
@@ -313,6 +340,9 @@ def check_fused_linear(ps):
         ("untied_sp", False, True, {}),
         # the default budget saves the logits tiles under the interpreter; 0 recomputes them
         ("untied_sp_recompute", False, True, dict(memory_budget_gib=0.0)),
+        # gradient-accumulation fusion: main_grad buffers and megatron-core's own DDP hook
+        ("tied_main_grad", True, False, dict(main_grad=True)),
+        ("untied_sp_recompute_main_grad", False, True, dict(memory_budget_gib=0.0, main_grad=True)),
     ]
     with cpu_sequence_parallel():
         return _fused_linear_variants(variants, tokens, pos, labels, upstream, out)
@@ -348,6 +378,8 @@ def _fused_linear_variants(variants, tokens, pos, labels, upstream, out):
     from vocab_parallel_loss.megatron import attach_vocab_parallel_loss
 
     for name, tied, sp, opts in variants:
+        opts = dict(opts)
+        main_grad = opts.pop("main_grad", False)
         cfg = VocabParallelLossConfig(enabled=True, fused_linear=True, **opts)
         if name == "tied":  # the Megatron-LM route: a plain GPTModel given our loss afterwards
             fused = attach_vocab_parallel_loss(build(None, cls=GPTModel, tied=tied, sequence_parallel=sp), cfg)
@@ -357,6 +389,9 @@ def _fused_linear_variants(variants, tokens, pos, labels, upstream, out):
         for (n1, p1), (n2, p2) in zip(fused.named_parameters(), ref.named_parameters()):
             assert n1 == n2 and torch.equal(p1, p2), f"{name}: initial weights differ at {n1}"
         assert fused.output_layer.sequence_parallel == sp and fused.share_embeddings_and_output_weights == tied
+        if main_grad:  # after the weights were compared: the hooks hold the accumulators
+            with_main_grads(fused)
+            with_main_grads(ref)
         ran = []
         fused.output_layer.register_forward_hook(lambda *_: ran.append(1))
 
@@ -368,7 +403,12 @@ def _fused_linear_variants(variants, tokens, pos, labels, upstream, out):
         assert bool((loss[0, :3] == 0).all()), f"{name}: ignored tokens must have loss 0"
         (loss * upstream).sum().backward()
         (ref_loss * upstream).sum().backward()
-        g_fused, g_ref = named_grads(fused), named_grads(ref)
+        if main_grad:  # the output weight's gradient went straight into its main_grad
+            weight = fused.shared_embedding_or_output_weight() if tied else fused.output_layer.weight
+            assert weight.grad_added_to_main_grad and weight.grad is None, name
+            g_fused, g_ref = named_main_grads(fused), named_main_grads(ref)
+        else:
+            g_fused, g_ref = named_grads(fused), named_grads(ref)
         n_params = len(list(fused.parameters()))
         assert g_fused.keys() == g_ref.keys() and len(g_fused) == n_params, f"{name}: missing gradients"
         worst = 0.0

@@ -147,7 +147,8 @@ def test_ten_training_steps_same_loss_curve(worker_results):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(360)
-@pytest.mark.parametrize("variant", ["tied", "untied", "tied_sp", "untied_sp", "untied_sp_recompute"])
+@pytest.mark.parametrize("variant", ["tied", "untied", "tied_sp", "untied_sp", "untied_sp_recompute",
+                                     "tied_main_grad", "untied_sp_recompute_main_grad"])
 def test_fused_linear_gpt_matches_unfused(worker_results, variant):
     """--vocab-parallel-loss-fused-linear: TP=2 GPTModel loss and every parameter gradient equal
     our loss on materialized logits (sequence parallelism in the _sp variants), in training and

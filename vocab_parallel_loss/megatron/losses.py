@@ -53,7 +53,9 @@ def fused_linear_loss(
     ``hidden_states`` is ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` under sequence
     parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
     does). ``weight`` is the one megatron-core would pass the output layer (the embedding's when
-    tied); MuP's output multiplier is applied as megatron-core applies it to the logits.
+    tied); MuP's output multiplier is applied as megatron-core applies it to the logits. With
+    the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the weight (DDP's), the
+    weight's gradient is added into ``main_grad``, as the output layer would add it.
     """
     from ..functional import linear_cross_entropy
 
@@ -74,5 +76,6 @@ def fused_linear_loss(
         sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
         label_smoothing=loss_config.label_smoothing, z_loss=loss_config.z_loss, impl="auto",
         memory_budget=loss_config.memory_budget,
+        gradient_accumulation_fusion=_compat.accumulates_into_main_grad(config, weight),
     )  # [s, b], fp32
     return loss.transpose(0, 1).contiguous()
