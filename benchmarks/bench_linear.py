@@ -51,10 +51,18 @@ def _bench(fn, warmup, rep):
 # ----------------------------------------------------------------------------------- peers
 
 
-def make_ours(impl="triton", memory_budget=None):
+def make_ours(impl="triton", memory_budget=None, main_grad=False):
+    """Ours; with ``main_grad`` the weight's gradient is added into an fp32 ``c.main_grad``
+    (megatron-core's gradient-accumulation fusion): only dE is returned, and that buffer, which
+    such a trainer holds anyway, counts as an input."""
     def fn(e, c, t, red):
+        if main_grad and getattr(c, "main_grad", None) is None:
+            c.main_grad = torch.zeros(c.shape, dtype=torch.float32, device=c.device)
+            c.grad_added_to_main_grad = False
         return linear_cross_entropy(e, c, t, reduction=red, impl=impl,
-                                    memory_budget=memory_budget), (e, c)
+                                    memory_budget=memory_budget,
+                                    gradient_accumulation_fusion=main_grad), \
+            (e,) if main_grad else (e, c)
     return fn
 
 
@@ -141,6 +149,7 @@ PEERS = {
     "ours_gif": lambda: make_ours_strategy("grad_in_forward"),
     "ours_recompute": lambda: make_ours_strategy("recompute"),
     "ours_torch_impl": lambda: make_ours("torch"),
+    "ours_main_grad": lambda: make_ours(main_grad=True),
     "torch": make_torch,
     "cce": make_cce,
     "liger": make_liger,
@@ -149,10 +158,11 @@ PEERS = {
 
 
 def make_peer(name: str):
-    """``PEERS[name]``, or ``ours@G``: ours with ``memory_budget`` of G GiB (a point of the
-    time-memory front between the strategies)."""
-    if name.startswith("ours@"):
-        return make_ours(memory_budget=float(name[5:]) * GiB)
+    """``PEERS[name]``, or ``ours@G`` / ``ours_main_grad@G``: ours with ``memory_budget`` of G
+    GiB (a point of the time-memory front between the strategies)."""
+    base, _, budget = name.partition("@")
+    if budget and base in ("ours", "ours_main_grad"):
+        return make_ours(memory_budget=float(budget) * GiB, main_grad=base == "ours_main_grad")
     return PEERS[name]()
 
 
@@ -503,7 +513,8 @@ def sweep_markdown(sweep_rows) -> str:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     for name in args.impls:
-        if name not in PEERS and not (name.startswith("ours@") and _is_number(name[5:])):
+        base, _, budget = name.partition("@")
+        if name not in PEERS and not (base in ("ours", "ours_main_grad") and _is_number(budget)):
             raise SystemExit(f"--impls: unknown {name!r}")
     global DEV
     DEV = Device("cpu" if args.smoke_cpu else "cuda")

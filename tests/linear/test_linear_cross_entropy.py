@@ -484,7 +484,7 @@ def test_strategy_follows_memory_budget(monkeypatch):
     n, h = e.shape
     v = c.shape[0]
     saved = K.saved_bytes(n, v, e.element_size(), cfg)
-    fixed = strategy_mod.gif_fixed_bytes(n, v, h, e, c)
+    fixed, _ = strategy_mod.gif_fixed_bytes(n, v, h, e, c)
     rows = K.gif_chunk_rows(n, v, e.element_size(), saved - 1 - fixed, cfg)
     assert rows == cfg.gif_rows  # 13 chunks of 16 rows
     gif = fixed + K.saved_bytes(rows, v, e.element_size(), cfg)

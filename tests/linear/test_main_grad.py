@@ -130,9 +130,14 @@ def test_grad_in_forward_budget_counts_the_whole_accumulator(monkeypatch):
         return strategy_mod.choose_strategy(K, e, c, None, "mean", False, None, None, 0.0,
                                             budget, main_grad)
 
-    fixed = strategy_mod.gif_fixed_bytes(n, v, h, e, c)
-    assert fixed == v * h * 2 + n * h * 2  # fp32 accumulators less the bf16 gradients returned
-    assert strategy_mod.gif_fixed_bytes(n, v, h, e, c, main_grad=True) == v * h * 4 + n * h * 2
+    # forward: fp32 accumulators less the bf16 gradients returned; backward: the accumulators
+    fixed, backward = strategy_mod.gif_fixed_bytes(n, v, h, e, c)
+    assert (fixed, backward) == (v * h * 2 + n * h * 2, v * h * 4 + n * h * 4)
+    assert strategy_mod.gif_fixed_bytes(n, v, h, e, c, main_grad=True) == (
+        v * h * 4 + n * h * 2, v * h * 4 + n * h * 4)
+    # fp32: both accumulators become the gradients returned
+    e32, c32 = (x.detach().float().requires_grad_() for x in (e, c))
+    assert strategy_mod.gif_fixed_bytes(n, v, h, e32, c32) == (0, 0)
     cfg = KC.OVERRIDE_CONFIG
     block = cfg.fwd_block_n
     budget = fixed + K.saved_bytes(n // 2 // block * block + block, v, 2, cfg)  # two chunks
@@ -142,17 +147,19 @@ def test_grad_in_forward_budget_counts_the_whole_accumulator(monkeypatch):
     assert 0 < home_rows < rows and pick(budget, True) == ("grad_in_forward", None, home_rows)
 
 
-def test_fp32_weight_gradient_is_the_accumulator(monkeypatch):
-    # fp32 weights, gradients in forward: the fp32 dC accumulator becomes the gradient (no copy),
-    # so a second backward through the graph is refused by name
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grad_in_forward_hands_its_gradients_out_once(monkeypatch, dtype):
+    # the gradients formed in forward are scaled in place (fp32 weights: the accumulator becomes
+    # the gradient), so a second backward through the graph is refused by name
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG",
                         K.INTERPRET_CONFIG.replace(strategy="grad_in_forward"))
-    e, c, b, t = make()
+    e, c, b, t = make(dtype=dtype)
     loss = linear_cross_entropy(e, c, t, impl="triton")
     got = torch.autograd.grad(loss, c, retain_graph=True)[0]
-    _assert_close(got, reference_grads(e, c, t)[1][1], 2e-5, "dC")
+    _assert_close(got, reference_grads(e, c, t)[1][1], 2e-5 if dtype == torch.float32 else 2e-2,
+                  "dC")
     with pytest.raises(RuntimeError, match="memory_budget=0"):
         torch.autograd.grad(loss, c)
 

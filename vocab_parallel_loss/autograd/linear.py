@@ -205,11 +205,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                            need_db, home)
         elif o.strategy == "grad_in_forward":
             de_f, dc_f, db_f = kept
-            # gradients of the loss were formed in forward with an upstream gradient of 1
+            # gradients of the loss were formed in forward with an upstream gradient of 1;
+            # scaled in place, so that backward holds no second fp32 copy
+            _consume(ctx, "the gradients it formed in forward")
             gl = (grad_loss.float() if grad_loss is not None
                   else torch.zeros((), dtype=torch.float32, device=dev))
             if need_de:
-                de32 = de_f * gl
+                de32 = de_f.mul_(gl)
             if need_db:
                 db = db_f * gl
             if need_dc:
@@ -218,7 +220,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 elif home is not None:
                     home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
                 elif c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
-                    _consume(ctx, "its fp32 weight gradient")
                     dc = dc_f.mul_(gl)
                 else:
                     dc = torch.empty_like(c, memory_format=torch.contiguous_format)
@@ -333,11 +334,12 @@ def _main_grad_dummy(c: torch.Tensor):
     ``grad_added_to_main_grad`` so that DDP's hook does not add them again (a tied embedding's
     own gradient then still arrives, summed with zeros); None where ``c`` has no such flag.
     Zeros rather than megatron-core's uninitialized buffer: nothing reads garbage if no hook
-    runs."""
+    runs. One element expanded: autograd makes it dense only after this node's saved tensors
+    are freed."""
     if not hasattr(c, "grad_added_to_main_grad"):
         return None
     c.grad_added_to_main_grad = True
-    return torch.zeros_like(c, memory_format=torch.contiguous_format)
+    return torch.zeros((), dtype=c.dtype, device=c.device).expand(c.shape)
 
 
 def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):

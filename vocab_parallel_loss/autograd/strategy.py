@@ -22,14 +22,19 @@ DEFAULT_MEMORY_BUDGET = 2 << 30
 
 
 def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
-                    main_grad: bool = False) -> int:
-    """What the gradients formed in forward hold besides one chunk's saved tiles, beyond the
-    gradients the call returns (``memory_budget``'s measure): the fp32 dC accumulator less the
-    dC returned (none for fp32 weights, whose gradient it becomes; all of it when dC goes to a
-    ``main_grad`` instead) and the fp32 dE less the dE returned."""
-    dc = v * h * (4 if main_grad else 4 - c.element_size()) if c.requires_grad else 0
-    de = n * h * (4 - e.element_size()) if e.requires_grad else 0
-    return dc + max(de, 0)
+                    main_grad: bool = False) -> tuple:
+    """``(forward, backward)``: what the gradients formed in forward hold beyond the gradients
+    the call returns (``memory_budget``'s measure), in forward besides one chunk's saved tiles
+    and in backward. Forward: the fp32 dC and dE accumulators less the gradients returned (for
+    fp32 weights dC's accumulator becomes the gradient; with a ``main_grad`` none is returned).
+    Backward: both accumulators, scaled in place by the upstream gradient, while the gradients
+    in the input dtype are written from them."""
+    need_dc, need_de = c.requires_grad, e.requires_grad
+    ret_dc = 0 if main_grad else c.element_size()
+    forward = need_dc * v * h * (4 - ret_dc) + need_de * n * h * max(4 - e.element_size(), 0)
+    backward = (need_dc * v * h * (4 if ret_dc < 4 else 0)
+                + need_de * n * h * (4 if e.element_size() < 4 else 0))
+    return forward, backward
 
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
@@ -66,8 +71,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
     # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
     if scalar and world == 1 and saved_ok and n:
-        room = budget - gif_fixed_bytes(n, v, h, e, c, main_grad)
-        rows = backend.gif_chunk_rows(n, v, size, room, cfg)
+        forward, backward = gif_fixed_bytes(n, v, h, e, c, main_grad)
+        rows = backend.gif_chunk_rows(n, v, size, budget - forward, cfg) if budget >= backward else 0
         if rows:
             return "grad_in_forward", None, rows
     block = cfg.bwd_block_v
