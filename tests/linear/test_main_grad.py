@@ -188,3 +188,22 @@ def test_module_passes_it_on():
     assert "gradient_accumulation_fusion=True" in repr(mod)
     mod(e, c, t).backward()
     assert c.grad_added_to_main_grad and not torch.equal(c.main_grad, before)
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_under_torch_compile(impl):
+    # the home is written at run time, each step (not once while tracing)
+    if impl == "triton" and (K is None or not interpreting()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    e, c, b, t = make()
+    before = _home(c, torch.float32)
+    torch._dynamo.reset()
+    step = torch.compile(lambda e, c, t: linear_cross_entropy(
+        e, c, t, impl=impl, gradient_accumulation_fusion=True))
+    c_plain = c.detach().requires_grad_()
+    want = torch.autograd.grad(linear_cross_entropy(e, c_plain, t, impl=impl), c_plain)[0]
+    for k in (1, 2):
+        c.grad_added_to_main_grad = False
+        step(e, c, t).backward()
+        assert c.grad_added_to_main_grad
+        torch.testing.assert_close(c.main_grad - before, k * want, rtol=1e-5, atol=1e-6)
