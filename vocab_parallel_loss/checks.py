@@ -108,9 +108,9 @@ def check_memory_budget(memory_budget) -> None:
                          f"got {memory_budget}")
 
 
-def check_main_grad(c: torch.Tensor, gradient_accumulation_fusion) -> None:
-    """``gradient_accumulation_fusion=True`` adds the gradient of ``c`` into ``c.main_grad``:
-    that must be a float tensor shaped like ``c`` on its device."""
+def check_main_grad(c: torch.Tensor, gradient_accumulation_fusion, name: str = "c") -> None:
+    """``gradient_accumulation_fusion=True`` adds the gradient of ``c`` (the argument ``name``)
+    into ``c.main_grad``: that must be a float tensor shaped like ``c`` on its device."""
     if not isinstance(gradient_accumulation_fusion, bool):
         raise TypeError(f"gradient_accumulation_fusion must be a bool, got "
                         f"{gradient_accumulation_fusion!r}")
@@ -118,11 +118,12 @@ def check_main_grad(c: torch.Tensor, gradient_accumulation_fusion) -> None:
         return
     home = getattr(c, "main_grad", None)
     if not isinstance(home, torch.Tensor):
-        raise ValueError("gradient_accumulation_fusion=True needs c.main_grad, the tensor the "
-                         "gradient of c is added into (megatron-core's DDP sets it); c has none")
+        raise ValueError(f"gradient_accumulation_fusion=True needs {name}.main_grad, the tensor "
+                         f"the gradient of {name} is added into (megatron-core's DDP sets it); "
+                         f"{name} has none")
     if home.shape != c.shape or not home.is_floating_point() or home.device != c.device:
-        raise ValueError(f"gradient_accumulation_fusion=True: c.main_grad must be a float tensor "
-                         f"shaped like c {tuple(c.shape)} on {c.device}, got "
+        raise ValueError(f"gradient_accumulation_fusion=True: {name}.main_grad must be a float "
+                         f"tensor shaped like {name} {tuple(c.shape)} on {c.device}, got "
                          f"{home.dtype} {tuple(home.shape)} on {home.device}")
 
 

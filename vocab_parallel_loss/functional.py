@@ -244,6 +244,7 @@ def linear_token_logprobs(
     logit_scale: float = 1.0,
     impl: str = "auto",
     memory_budget: Optional[int] = None,
+    gradient_accumulation_fusion: bool = False,
 ) -> "logprobs_autograd.TokenLogprobs":
     """``token_logprobs`` of the logits ``cap(logit_scale * (hidden @ weight.T + bias))``
     without materializing them: the Triton kernels form them tile by tile (the fused linear
@@ -258,7 +259,8 @@ def linear_token_logprobs(
     ``"torch"`` or ``"auto"``. ``memory_budget``: bytes of extra device memory the Triton path
     may hold from forward to backward, as for ``linear_cross_entropy`` (default 2 GiB; 0 for
     the least memory; with the saved-tiles strategy a second backward through the same outputs
-    raises).
+    raises). ``gradient_accumulation_fusion``: the gradient of ``weight`` is added into
+    ``weight.main_grad`` instead of returned, as for ``linear_cross_entropy``.
     """
     checks.check_float("hidden", hidden)
     checks.check_float("weight", weight)
@@ -288,12 +290,15 @@ def linear_token_logprobs(
                          float(logit_scale), None if softcap is None else float(softcap),
                          _rows_backend(kernels, hidden.dtype), hidden.device)
     checks.check_memory_budget(memory_budget)
+    checks.check_main_grad(weight, gradient_accumulation_fusion, "weight")
     inv_t = _inverse_temperature(temperature, target, hidden)
     if kernels:
         lp, ent, col = linear_logprobs_autograd.from_hidden(
-            hidden, weight, bias, t, inv_t, o, sp, bool(return_argmax), memory_budget)
+            hidden, weight, bias, t, inv_t, o, sp, bool(return_argmax), memory_budget,
+            gradient_accumulation_fusion)
     else:
-        lp, ent, col = logprobs_autograd.from_hidden(hidden, weight, bias, t, inv_t, o, sp)
+        lp, ent, col = logprobs_autograd.from_hidden(hidden, weight, bias, t, inv_t, o, sp,
+                                                     gradient_accumulation_fusion)
     return _shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
 
 

@@ -295,3 +295,67 @@ def test_megatron_output_processor_passes_its_context(monkeypatch):
     assert seen["memory_budget"] == 123 and seen["ignore_index"] == -1 and seen["tp_group"] == "tp"
     assert torch.equal(seen["temperature"], temp.t()) and torch.equal(seen["target"], labels.t())
     assert out["log_probs"].shape == (2, 5) and torch.all(out["entropy"] == 2)
+
+
+@pytest.mark.parametrize("plan", ["saved", "split", "recompute", "torch"])
+def test_weight_gradient_added_into_main_grad(plan, monkeypatch):
+    # gradient_accumulation_fusion: the weight's gradient (vocabulary padding: none) lands in
+    # weight.main_grad, rounded once there; the weight receives megatron-core's zeros
+    impl = "torch" if plan == "torch" else "triton"
+    budget = None
+    if impl == "triton":
+        K = _kernels_or_skip()
+        from vocab_parallel_loss.kernels.linear import config as KC
+
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+        budget = {"saved": None, "recompute": 0,
+                  "split": _one_saved_tile_budget(K, 50, 8, 75, 4)}[plan]
+    g = torch.Generator().manual_seed(11)
+    n, h, v_local, valid = 50, 8, 75, 70
+    e = torch.randn(n, h, generator=g, requires_grad=True)
+    c = torch.randn(v_local, h, generator=g, requires_grad=True)
+    t = torch.randint(0, valid, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    kw = dict(temperature=0.8, return_entropy=True, vocab_range=(0, valid), memory_budget=budget,
+              impl=impl)
+    c.main_grad = torch.randn(c.shape, generator=g)
+    c.grad_added_to_main_grad = False
+    before = c.main_grad.clone()
+    out = linear_token_logprobs(e, c, t, gradient_accumulation_fusion=True, **kw)
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    assert c.grad_added_to_main_grad and not c.grad.any()
+    c_plain = c.detach().requires_grad_()
+    plain = linear_token_logprobs(e, c_plain, t, **kw)
+    want = _grads((plain.log_probs, plain.entropy), (c_plain,), g_lp, g_ent)[0]
+    torch.testing.assert_close(c.main_grad - before, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(c.main_grad[valid:], before[valid:])
+
+
+def test_megatron_output_processor_fuses_gradient_accumulation(monkeypatch):
+    # with the config's gradient_accumulation_fusion and a main_grad on the weight, it asks
+    # linear_token_logprobs to add the weight's gradient there
+    from types import SimpleNamespace
+
+    from vocab_parallel_loss.verl import _megatron
+
+    seen = {}
+
+    def fake(hidden, weight, target, bias, **kw):
+        seen.update(kw)
+        z = torch.zeros(target.shape)
+        return SimpleNamespace(log_probs=z, entropy=z)
+
+    monkeypatch.setattr(_megatron, "linear_token_logprobs", fake)
+    weight = torch.zeros(7, 4)
+    layer = SimpleNamespace(weight=weight, tp_group="tp")
+    call = dict(hidden_states=torch.zeros(5, 2, 4), output_layer=layer,
+                labels=torch.zeros(2, 5, dtype=torch.long))
+    for fusion, has_home, want in ((True, True, True), (True, False, False),
+                                   (False, True, False)):
+        if has_home:
+            weight.main_grad = torch.zeros(7, 4)
+        elif hasattr(weight, "main_grad"):
+            del weight.main_grad
+        _megatron.output_processor(config=SimpleNamespace(gradient_accumulation_fusion=fusion),
+                                   **call)
+        assert seen["gradient_accumulation_fusion"] is want, (fusion, has_home)

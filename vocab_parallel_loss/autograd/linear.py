@@ -34,6 +34,7 @@ from ..formulas import merge_partial_stats, merge_stats, relative_sums, token_lo
 from ..reference.linear import TorchBackend
 from ..runtime import compiling, untraced
 from . import compiled_ops
+from .main_grad import dummy as main_grad_dummy, home as main_grad_home
 from .first_order import refuse_double_backward
 from .strategy import choose_strategy
 
@@ -54,7 +55,7 @@ class _Opts:
     saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
     gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
-    main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``_main_grad_dummy``)
+    main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``main_grad.py``)
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
@@ -192,7 +193,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dev = e.device
         de32 = dc = db = None
         e2 = t2 = None
-        home = c.main_grad if (o.main_grad and need_dc) else None
+        home = main_grad_home(c, o.main_grad, need_dc)
         if o.strategy == "saved":
             _consume(ctx, "its saved logits")
             u, tile_max, x_t = kept
@@ -247,7 +248,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc, need_db,
                 dc_acc=home, **({"config": cfg.replace(chunk_bytes=o.chunk_bytes)} if cfg else {}))
         if home is not None:
-            dc = _main_grad_dummy(c)
+            dc = main_grad_dummy(c)
         de = None
         if need_de:
             if not o.sequence_parallel:  # else the reduce-scatter below does the sum
@@ -326,20 +327,6 @@ def _refuse_if_consumed(ctx) -> None:
             f"linear_cross_entropy: a second backward through the same loss; this call turned "
             f"{ctx.consumed} into gradients in the first one (memory_budget allowed a strategy "
             f"that works in place). Pass memory_budget=0 to backward twice.")
-
-
-def _main_grad_dummy(c: torch.Tensor):
-    """What autograd receives for ``c`` once its gradient is in ``c.main_grad``: megatron-core's
-    protocol for gradient-accumulation fusion (``ColumnParallelLinear``). Zeros, flagged by
-    ``grad_added_to_main_grad`` so that DDP's hook does not add them again (a tied embedding's
-    own gradient then still arrives, summed with zeros); None where ``c`` has no such flag.
-    Zeros rather than megatron-core's uninitialized buffer: nothing reads garbage if no hook
-    runs. One element expanded: autograd makes it dense only after this node's saved tensors
-    are freed."""
-    if not hasattr(c, "grad_added_to_main_grad"):
-        return None
-    c.grad_added_to_main_grad = True
-    return torch.zeros((), dtype=c.dtype, device=c.device).expand(c.shape)
 
 
 def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):

@@ -29,6 +29,7 @@ from ..formulas import merge_logprob_stats
 from ..runtime import untraced
 from .first_order import refuse_double_backward
 from .logprobs import Options, finish, hidden_grad, upstream_grad
+from .main_grad import dummy as main_grad_dummy, home as main_grad_home
 from .strategy import choose_strategy
 
 
@@ -64,7 +65,7 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, plan):
         ctx.set_materialize_grads(False)
         K = _kernels()
-        strategy, chunk_bytes, saved_cols, need_argmax = plan
+        strategy, chunk_bytes, saved_cols, need_argmax, ctx.main_grad = plan
         full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
         e2 = full.reshape(-1, full.shape[-1])
         cfg = K.default_config(e.device)
@@ -105,7 +106,9 @@ class _LinearLogprobs(torch.autograd.Function):
         x_t = kept[2] if kept else zero
         coef = torch.stack([lse, -(g_lp + g_ent * ent), -g_lp, zero, x_t, -g_ent])
         lp = K.LogprobArgs(inv_t, o.scale)
-        dc = torch.empty_like(c, memory_format=torch.contiguous_format) if need_c else None
+        home = main_grad_home(c, ctx.main_grad, need_c)  # dC added there (padding: nothing)
+        dc = (torch.empty_like(c, memory_format=torch.contiguous_format)
+              if need_c and home is None else None)
         if dc is not None:  # the kernels write the vocabulary rows; padding (or all) gets 0
             dc[v if n else 0:].zero_()
         db = torch.zeros(c.shape[0], dtype=torch.float32, device=e.device) if need_b else None
@@ -130,16 +133,20 @@ class _LinearLogprobs(torch.autograd.Function):
                 de, _, db_s = K.backward_saved(
                     saved, e2, c[:start], need_b, t, o.col_start, coef, o.softcap, need_e,
                     need_c, e.dtype if final else torch.float32, cfg,
-                    dc_out=None if dc is None else dc[:start], logprob=lp)
+                    dc_out=None if dc is None else dc[:start], logprob=lp,
+                    dc_acc=None if home is None else home[:start])
                 if need_b:
                     db[:start] = db_s
             if start < v:
                 de, _, db_r = K.backward(
                     e2, c[start:v], None if b is None else b[start:], t, o.col_start + start,
                     coef, o.softcap, need_e, need_c, need_b, config=cfg, de_acc=de,
-                    dc_out=None if dc is None else dc[start:v], logprob=lp)
+                    dc_out=None if dc is None else dc[start:v], logprob=lp,
+                    dc_acc=None if home is None else home[start:v])
                 if need_b:
                     db[start:v] = db_r
+        if home is not None:
+            dc = main_grad_dummy(c)
         de_out = None
         if need_e:
             if de is None:  # no rows or no vocabulary columns here: this rank adds zeros
@@ -150,11 +157,12 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, need_argmax: bool,
-                memory_budget=None):
+                memory_budget=None, main_grad: bool = False):
     """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows, on the
-    Triton kernels (a graph break under torch.compile)."""
+    Triton kernels (a graph break under torch.compile); with ``main_grad`` the gradient of ``c``
+    is added into ``c.main_grad`` (``main_grad.py``)."""
     strategy, chunk_bytes, saved_cols = choose_strategy(
         _kernels(), e, c, bias, "none", sequence_parallel, o.group, o.softcap, 0.0,
-        memory_budget)
-    plan = (strategy, chunk_bytes, saved_cols, need_argmax)
+        memory_budget, main_grad)
+    plan = (strategy, chunk_bytes, saved_cols, need_argmax, main_grad)
     return untraced(_LinearLogprobs.apply, e, c, bias, t, inv_t, o, sequence_parallel, plan)

@@ -25,6 +25,7 @@ from ..layout import RowView, like_rows, row_view
 from ..reference import logprobs as torch_rows
 from ..runtime import untraced
 from .first_order import refuse_double_backward
+from .main_grad import dummy as main_grad_dummy, home as main_grad_home
 
 #: Bytes of one fp32 column chunk of logits in the hidden-state path (its dz in the input dtype
 #: is half of it again): 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
@@ -158,7 +159,7 @@ def _chunk_cols(n: int, v: int, elem: int) -> int:
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool):
+    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, main_grad: bool):
         gemm = torch_rows.TorchGemm
         ctx.set_materialize_grads(False)
         full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
@@ -184,7 +185,7 @@ class _FromHidden(torch.autograd.Function):
         local = torch.stack(merge_logprob_stats(parts)) if n_chunks > 1 else parts[0]
         logp, ent, lse, col, ignored, bad = finish(local, t, o)
         ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad)
-        ctx.o, ctx.sp, ctx.step = o, sequence_parallel, step
+        ctx.o, ctx.sp, ctx.step, ctx.main_grad = o, sequence_parallel, step, main_grad
         ctx.mark_non_differentiable(col)
         return logp, ent, col
 
@@ -197,7 +198,7 @@ class _FromHidden(torch.autograd.Function):
         need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None, None
+            return None, None, None, None, None, None, None, None
         full = communication.gather_along_first_dim(e, o.group) if ctx.sp else e
         e2 = full.reshape(-1, full.shape[-1])
         n, v = e2.shape[0], c.shape[0]
@@ -205,7 +206,8 @@ class _FromHidden(torch.autograd.Function):
         g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
         g_ent = upstream_grad(g_ent, n, lse, ignored)
         de = torch.zeros((n, e2.shape[1]), dtype=acc, device=e.device) if need_e else None
-        dc = torch.zeros_like(c) if need_c else None
+        home = main_grad_home(c, ctx.main_grad, need_c)
+        dc = torch.zeros_like(c) if need_c and home is None else None
         db = torch.zeros(v, dtype=acc, device=e.device) if need_b else None
         if n:
             z = torch.empty((n, min(step, v)), dtype=acc, device=e.device)
@@ -222,15 +224,22 @@ class _FromHidden(torch.autograd.Function):
                                 g_ent, o.col_start + c0, valid, o.scale, o.softcap)
                 if need_e:
                     gemm.acc(de, dzk, c[c0:c1])  # dE += dz @ C_chunk, fp32
-                if need_c:
+                if need_c and home is not None:  # rounded once into main_grad
+                    home[c0:c1].add_(dzk.t().to(acc) @ e2.to(acc))
+                elif need_c:
                     gemm.store(dc[c0:c1], dzk.t(), e2)  # each dC row once, rounded once
                 if need_b:
                     db[c0:c1] = dzk.sum(dim=0, dtype=acc)
+        if home is not None:
+            dc = main_grad_dummy(c)
         de_out = hidden_grad(de, full.shape, e, o.group, ctx.sp) if need_e else None
-        return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None)
+        return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None,
+                None)
 
 
-def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool):
+def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool,
+                main_grad: bool = False):
     """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows, in
-    PyTorch (the Triton path is ``linear_logprobs.py``)."""
-    return _FromHidden.apply(e, c, bias, t, inv_t, o, sequence_parallel)
+    PyTorch (the Triton path is ``linear_logprobs.py``); with ``main_grad`` the gradient of
+    ``c`` is added into ``c.main_grad``."""
+    return _FromHidden.apply(e, c, bias, t, inv_t, o, sequence_parallel, main_grad)

@@ -176,15 +176,6 @@ def output_logit_scale(config: Any) -> float:
     return 1.0 if mult is None else float(mult)
 
 
-def accumulates_into_main_grad(config: Any, weight: torch.Tensor) -> bool:
-    """Whether megatron-core's output layer would add this weight's gradient into its
-    ``main_grad`` (``gradient_accumulation_fusion``, ``ColumnParallelLinear``): the config
-    asks for it and DDP gave the weight a ``main_grad`` (Megatron-FSDP makes its own in
-    backward; there the gradient is returned as usual)."""
-    return bool(getattr(config, "gradient_accumulation_fusion", False)) and isinstance(
-        getattr(weight, "main_grad", None), torch.Tensor)
-
-
 def megatron_lm_args() -> Optional[Any]:
     """Megatron-LM's parsed arguments (``megatron.training.get_args()``) in this process, else None.
 

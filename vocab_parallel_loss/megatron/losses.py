@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..autograd.main_grad import requested as accumulates_into_main_grad
 from . import _compat
 from .config import VocabParallelLossConfig
 
@@ -76,6 +77,6 @@ def fused_linear_loss(
         sequence_parallel=bool(getattr(output_layer, "sequence_parallel", False)),
         label_smoothing=loss_config.label_smoothing, z_loss=loss_config.z_loss, impl="auto",
         memory_budget=loss_config.memory_budget,
-        gradient_accumulation_fusion=_compat.accumulates_into_main_grad(config, weight),
+        gradient_accumulation_fusion=accumulates_into_main_grad(config, weight),
     )  # [s, b], fp32
     return loss.transpose(0, 1).contiguous()

@@ -4,6 +4,7 @@ per-token log-probs and entropy straight from the decoder's hidden states."""
 from __future__ import annotations
 
 from ..functional import linear_token_logprobs
+from ..autograd.main_grad import requested as accumulates_into_main_grad
 
 
 def output_processor(*, hidden_states, output_layer, output_weight=None, labels=None,
@@ -11,9 +12,12 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
     """Return ``{"log_probs": [b, s], "entropy": [b, s]}`` for ``labels`` ``[b, s]``.
 
     ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0),
-    ``ignore_index`` (default -100) and ``memory_budget`` (bytes, ``linear_token_logprobs``'s). The hidden states arrive ``[s, b, h]`` (sequence-sharded
-    under sequence parallelism); the classifier is the output layer's weight shard (or the
-    shared embedding weight that megatron-core passes as ``output_weight``).
+    ``ignore_index`` (default -100) and ``memory_budget`` (bytes, ``linear_token_logprobs``'s).
+    The hidden states arrive ``[s, b, h]`` (sequence-sharded under sequence parallelism); the
+    classifier is the output layer's weight shard (or the shared embedding weight that
+    megatron-core passes as ``output_weight``). Under the config's
+    ``gradient_accumulation_fusion``, with a ``main_grad`` on the weight (DDP's), the weight's
+    gradient is added into it, as the output layer would add it.
     """
     if labels is None:
         raise ValueError("output_processor needs labels: the log-probs are of the label tokens")
@@ -32,5 +36,7 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
     out = linear_token_logprobs(hidden_states, weight, labels.t(), bias, tp_group=group,
                                 sequence_parallel=sp, temperature=temperature,
                                 ignore_index=ctx.get("ignore_index", -100), return_entropy=True,
-                                memory_budget=ctx.get("memory_budget"))
+                                memory_budget=ctx.get("memory_budget"),
+                                gradient_accumulation_fusion=accumulates_into_main_grad(
+                                    config, weight))
     return {"log_probs": out.log_probs.t(), "entropy": out.entropy.t()}
