@@ -120,3 +120,24 @@ def test_memory_follows_the_budget():
         extra = torch.cuda.max_memory_allocated() - base - grads
         # outputs, statistics and cuBLAS workspaces: a few MiB beyond the strategy's own buffers
         assert extra <= max(budget, 200 * MiB) + 16 * MiB, (budget, extra / MiB)
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])
+def test_gradient_accumulation_fusion(budget):
+    # the weight's gradient added into an fp32 main_grad equals the one returned otherwise (to
+    # the returned gradient's bf16 rounding); padding rows receive nothing
+    n, h, v, valid = 4096, 1024, 32000, 31990
+    e, c, b, t, temp, g_lp, g_ent = _case(n, h, v, valid=valid)
+    _, grads = _run(e, c, b, t, temp, g_lp, g_ent, None, 1.0, valid, budget)
+    c.main_grad = torch.randn(c.shape, device="cuda") * grads[1].float().abs().max()
+    c.grad_added_to_main_grad = False
+    before = c.main_grad.clone()
+    out = linear_token_logprobs(e, c, t, b, temperature=temp, return_entropy=True,
+                                vocab_range=(0, valid), memory_budget=budget, impl="triton",
+                                gradient_accumulation_fusion=True)
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    assert c.grad_added_to_main_grad and not c.grad.any()
+    added = c.main_grad - before
+    scale = grads[1].float().abs().max()
+    assert (added - grads[1].float()).abs().max() <= 1e-2 * scale
+    assert torch.equal(c.main_grad[valid:], before[valid:])
