@@ -253,7 +253,10 @@ def markdown(rows, notes, meta):
              "bf16, fwd+bwd (dE and dC), "
              f"{meta['time']}. TFLOP/s: 6NHV/time (scalar loss) and 8NHV/time (per-token loss). "
              "Memory: peak above the inputs during the step; with and without the gradients "
-             "left behind (dE + dC in bf16).", "",
+             "left behind (dE + dC in bf16)."
+             + (f" A GPU sleep of {meta['gpu_lead_us']:g} us is queued before each rep's flush, "
+                "untimed: the GPU does not wait for the host to issue the step."
+                if meta.get("gpu_lead_us") else ""), "",
              f"Our tile config: `{meta['config']}`", "",
              "| V | reduction | impl | ms | TFLOP/s 6NHV | TFLOP/s 8NHV | peak extra GiB | "
              "minus grads GiB | max loss err |",
@@ -475,6 +478,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "liger", "quack"],
                     help=f"any of {', '.join(PEERS)}, or ours@G: ours with memory_budget G GiB")
     ap.add_argument("--reductions", nargs="+", default=["mean", "none"])
+    ap.add_argument("--gpu-lead-us", type=float, default=0.0,
+                    help="a GPU sleep queued before each rep's flush, untimed, so that the host "
+                         "issues a step while the GPU still has work (as inside a model's step)")
     ap.add_argument("--config", default=None, help="JSON of LCEConfig fields for ours")
     ap.add_argument("--sweep", action="store_true", help="sweep our tile configs first")
     ap.add_argument("--sweep-vocab", type=int, nargs="+", default=[16032])
@@ -517,7 +523,7 @@ def main(argv=None) -> dict:
         if name not in PEERS and not (base in ("ours", "ours_main_grad") and _is_number(budget)):
             raise SystemExit(f"--impls: unknown {name!r}")
     global DEV
-    DEV = Device("cpu" if args.smoke_cpu else "cuda")
+    DEV = Device("cpu" if args.smoke_cpu else "cuda", gpu_lead_us=args.gpu_lead_us)
     dev = DEV.torch
     if args.config:
         C.OVERRIDE_CONFIG = C.default_config(dev).replace(**json.loads(args.config))
@@ -540,7 +546,8 @@ def main(argv=None) -> dict:
     cfg = C.default_config(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
-                config=dataclasses.asdict(cfg), cublas_fp32_out=dict(G.TORCH_DTYPE_MM))
+                config=dataclasses.asdict(cfg), cublas_fp32_out=dict(G.TORCH_DTYPE_MM),
+                gpu_lead_us=args.gpu_lead_us)
     if args.smoke_cpu:
         meta["device"] = "cpu-smoke"
     rows, notes = [], []
