@@ -179,12 +179,16 @@ def reference_loss(e, c, t, chunk=2048):
     return out
 
 
-def measure(fn, e, c, t, red, up, warmup, rep):
+def make_step(fn, e, c, t, red, up):
     def step():
         loss, leaves = fn(e, c, t, red)
         g = up if red == "none" else None
         return loss, torch.autograd.grad(loss, leaves, g)
+    return step
 
+
+def measure(fn, e, c, t, red, up, warmup, rep):
+    step = make_step(fn, e, c, t, red, up)
     loss, grads = step()  # compile / autotune
     del grads
     DEV.sync()
@@ -200,9 +204,25 @@ def measure(fn, e, c, t, red, up, warmup, rep):
     return ms, peak, grad_bytes, loss_val
 
 
-def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
+def interleaved(steps: dict, rounds: int) -> dict:
+    """Median ms of each step over ``rounds`` rounds that time every step once in turn (L2
+    flushed before each), so that a drift of the GPU's clocks over the run moves every
+    implementation alike instead of whichever ran last."""
+    times = {key: [] for key in steps}
+    for _ in range(rounds):
+        for key, step in steps.items():
+            DEV.flush_l2()
+            a = DEV.stamp()
+            step()
+            times[key].append((a, DEV.stamp()))
+        DEV.sync()
+    return {key: DEV.median_ms(pairs) for key, pairs in times.items()}
+
+
+def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
     rows, notes = [], []
     for n, h, v in shapes:
+        steps, shape_rows = {}, {}
         g = torch.Generator(device=DEV.torch).manual_seed(0)
         e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
         c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
@@ -241,6 +261,17 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg):
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 DEV.empty_cache()
+                if rounds:
+                    steps[(name, red)] = make_step(fn, e, c, t, red, up)
+                    shape_rows[(name, red)] = row
+        if rounds and steps:
+            for key, ms in interleaved(steps, rounds).items():
+                row = shape_rows[key]
+                row["ms_alone"] = row["ms"]
+                row.update(ms=round(ms, 3), tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
+                           tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1))
+                print(json.dumps(row), flush=True)
+            del steps, shape_rows
         del e, c, t, up, ref
         DEV.empty_cache()
     notes += [x for x in PEER_NOTES if x not in notes]
@@ -256,7 +287,9 @@ def markdown(rows, notes, meta):
              "left behind (dE + dC in bf16)."
              + (f" A GPU sleep of {meta['gpu_lead_us']:g} us is queued before each rep's flush, "
                 "untimed: the GPU does not wait for the host to issue the step."
-                if meta.get("gpu_lead_us") else ""), "",
+                if meta.get("gpu_lead_us") else "")
+             + (f" ms: the median of {meta['rounds']} rounds that time every row once in turn."
+                if meta.get("rounds") else ""), "",
              f"Our tile config: `{meta['config']}`", "",
              "| V | reduction | impl | ms | TFLOP/s 6NHV | TFLOP/s 8NHV | peak extra GiB | "
              "minus grads GiB | max loss err |",
@@ -478,6 +511,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "liger", "quack"],
                     help=f"any of {', '.join(PEERS)}, or ours@G: ours with memory_budget G GiB")
     ap.add_argument("--reductions", nargs="+", default=["mean", "none"])
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="then time every row once per round in turn, this many rounds; the "
+                         "table's ms becomes the median over the rounds (ms_alone keeps the "
+                         "first timing)")
     ap.add_argument("--gpu-lead-us", type=float, default=0.0,
                     help="a GPU sleep queued before each rep's flush, untimed, so that the host "
                          "issues a step while the GPU still has work (as inside a model's step)")
@@ -547,14 +584,14 @@ def main(argv=None) -> dict:
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
                 config=dataclasses.asdict(cfg), cublas_fp32_out=dict(G.TORCH_DTYPE_MM),
-                gpu_lead_us=args.gpu_lead_us)
+                gpu_lead_us=args.gpu_lead_us, rounds=args.rounds)
     if args.smoke_cpu:
         meta["device"] = "cpu-smoke"
     rows, notes = [], []
     if not args.sweep_only:
         shapes = [(args.n, args.hidden, v) for v in args.vocab]
         rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
-                                cfg)
+                                cfg, args.rounds)
     meta["cublas_fp32_out"] = dict(G.TORCH_DTYPE_MM)  # after use: False where it fell back
     md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
     if phase_rows:
