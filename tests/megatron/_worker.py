@@ -496,7 +496,9 @@ def check_mtp(ps):
             native = build_mtp(VocabParallelLossConfig(enabled=False), tied, sp, per_token)
             ours = build_mtp(VocabParallelLossConfig(enabled=True), tied, sp, per_token)
             fused = build_mtp(VocabParallelLossConfig(enabled=True, fused_linear=True), tied, sp, per_token)
-            for model in (ours, fused):
+            # gradient-accumulation fusion: every head adds into the output weight's main_grad
+            fused_mg = build_mtp(VocabParallelLossConfig(enabled=True, fused_linear=True), tied, sp, per_token)
+            for model in (ours, fused, fused_mg):
                 for (n1, p1), (n2, p2) in zip(model.named_parameters(), native.named_parameters()):
                     assert n1 == n2 and torch.equal(p1, p2), f"{name}: initial weights differ at {n1}"
             calls, ran = [], []
@@ -518,6 +520,14 @@ def check_mtp(ps):
                     worst = max(worst, close(f"{key}: grad of {pname}", g[pname], g_ref[pname], 1e-6 + 1e-4 * scale))
                 out[f"{key}_grad_max_diff"] = worst
                 out[f"{key}_n_params"] = len(g)
+            with_main_grads(fused_mg)
+            run(fused_mg, True)
+            g_ref = named_grads(native)
+            weight = fused_mg.shared_embedding_or_output_weight() if tied else fused_mg.output_layer.weight
+            assert weight.grad_added_to_main_grad, f"{name}: the output weight's gradient was returned"
+            for pname, p in fused_mg.named_parameters():
+                scale = g_ref[pname].abs().max().item()
+                close(f"{name}_main_grad: main_grad of {pname}", p.main_grad, g_ref[pname], 1e-6 + 1e-4 * scale)
             assert len(calls) == 1 + MTP_HEADS, f"{name}: our loss ran {len(calls)} times, not once per head"
             assert not ran, f"{name}: the fused path materialized logits (the output layer ran)"
             with torch.no_grad():
