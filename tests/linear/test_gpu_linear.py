@@ -419,3 +419,22 @@ def test_memory_stays_within_the_budget(budget_gib):
     budget = int(budget_gib * 2**30)
     extra = _extra_memory(e, c, t, memory_budget=budget)
     assert extra <= budget + 32 * 2**20, (extra / 2**30, budget_gib)
+
+
+@pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])
+def test_cuda_graph_capture_into_main_grad(budget):
+    """Gradient-accumulation fusion adds no host synchronisation either."""
+    e, c, b, t, up = _case(2048, 1024, 16032)
+    e = e.detach().requires_grad_()
+    c = c.detach().requires_grad_()
+    c.main_grad = torch.zeros(c.shape, device="cuda")
+    c.grad_added_to_main_grad = False
+
+    def step():
+        c.main_grad.zero_()
+        loss = linear_cross_entropy(e, c, t, reduction="mean", impl="triton",
+                                    memory_budget=budget, gradient_accumulation_fusion=True)
+        (de,) = torch.autograd.grad(loss, (e,))
+        return loss, de, c.main_grad.clone()
+
+    assert_capture_replays_eager(step)
