@@ -207,3 +207,19 @@ def test_under_torch_compile(impl):
         step(e, c, t).backward()
         assert c.grad_added_to_main_grad
         torch.testing.assert_close(c.main_grad - before, k * want, rtol=1e-5, atol=1e-6)
+
+
+def test_when_megatron_asks_for_it():
+    # the integrations' rule: the config's flag and a DDP main_grad; never under Megatron-FSDP,
+    # whose main_grad is fetched anew in backward
+    from types import SimpleNamespace
+
+    from vocab_parallel_loss.autograd.main_grad import requested
+
+    on, off = (SimpleNamespace(gradient_accumulation_fusion=f) for f in (True, False))
+    w = torch.nn.Parameter(torch.zeros(3, 2))
+    assert not requested(on, w) and not requested(SimpleNamespace(), w)
+    w.main_grad = torch.zeros(3, 2)
+    assert requested(on, w) and not requested(off, w) and not requested(None, w)
+    w.__fsdp_param__ = True
+    assert not requested(on, w)

@@ -10,10 +10,13 @@ import torch
 
 
 def requested(config, weight: torch.Tensor) -> bool:
-    """Whether megatron-core's output layer would add this weight's gradient into its
-    ``main_grad``: the model config's ``gradient_accumulation_fusion``, and a ``main_grad`` that
-    DDP gave the weight (Megatron-FSDP makes its own in backward; there the gradient is returned
-    as usual)."""
+    """Whether the fused losses add this weight's gradient into its ``main_grad``, as
+    megatron-core's output layer would: the model config's ``gradient_accumulation_fusion`` and
+    a ``main_grad`` that DDP gave the weight. Not under Megatron-FSDP (``__fsdp_param__``),
+    whose ``main_grad`` is fetched anew in backward (``get_main_grad``) and may be stale before:
+    there the gradient is returned, and its hook accumulates it."""
+    if getattr(weight, "__fsdp_param__", False):
+        return False
     return bool(getattr(config, "gradient_accumulation_fusion", False)) and isinstance(
         getattr(weight, "main_grad", None), torch.Tensor)
 
