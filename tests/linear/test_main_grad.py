@@ -223,3 +223,25 @@ def test_when_megatron_asks_for_it():
     assert requested(on, w) and not requested(off, w) and not requested(None, w)
     w.__fsdp_param__ = True
     assert not requested(on, w)
+
+
+def test_grad_in_forward_with_the_lse_gradient(monkeypatch):
+    # the lse output's gradient is recomputed into the same fp32 sum before main_grad gets it
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG",
+                        K.INTERPRET_CONFIG.replace(strategy="grad_in_forward"))
+    e, c, b, t = make(bias=True)
+    w = torch.randn(t.shape, generator=torch.Generator().manual_seed(3))
+
+    def total(c_):
+        loss, lse = linear_cross_entropy(e, c_, t, b, return_lse=True, impl="triton",
+                                         gradient_accumulation_fusion=hasattr(c_, "main_grad"))
+        return 0.37 * loss + (w * lse).sum()
+
+    c_plain = c.detach().requires_grad_()
+    want = torch.autograd.grad(total(c_plain), c_plain)[0]
+    before = _home(c, torch.float32)
+    total(c).backward()
+    assert c.grad_added_to_main_grad
+    torch.testing.assert_close(c.main_grad - before, want, rtol=1e-5, atol=1e-6)
