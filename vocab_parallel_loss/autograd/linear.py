@@ -35,7 +35,7 @@ from ..reference.linear import TorchBackend
 from ..runtime import compiling, untraced
 from . import compiled_ops
 from .main_grad import dummy as main_grad_dummy, home as main_grad_home
-from .first_order import refuse_double_backward
+from .first_order import consume, refuse_double_backward, refuse_if_consumed
 from .strategy import choose_strategy
 
 
@@ -163,7 +163,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
         count = (~ignored).sum() if o.reduction == "mean" else None
         ctx.save_for_backward(e, c, bias, targets, lse, count, *kept)
-        ctx.consumed = None
         ctx.o = o
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
 
@@ -182,7 +181,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_lse):
         if torch.is_grad_enabled():  # create_graph=True
             refuse_double_backward("linear_cross_entropy")
-        _refuse_if_consumed(ctx)  # before unpacking: autograd would name a version instead
+        refuse_if_consumed(ctx, "linear_cross_entropy")
         e, c, bias, targets, lse, count, *kept = ctx.saved_tensors
         o: _Opts = ctx.o
         v_global, v_offset, full_shape, shifted_shape = ctx.meta
@@ -190,12 +189,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             bias is not None and ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
             return None, None, None, None, None
-        dev = e.device
-        de32 = dc = db = None
-        e2 = t2 = None
         home = main_grad_home(c, o.main_grad, need_dc)
         if o.strategy == "saved":
-            _consume(ctx, "its saved logits")
+            consume(ctx, "its saved logits")
             u, tile_max, x_t = kept
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
@@ -205,40 +201,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                            c, bias, t2, v_offset, coef, o, need_de, need_dc,
                                            need_db, home)
         elif o.strategy == "grad_in_forward":
-            de_f, dc_f, db_f = kept
-            # gradients of the loss were formed in forward with an upstream gradient of 1;
-            # scaled in place, so that backward holds no second fp32 copy
-            _consume(ctx, "the gradients it formed in forward")
-            gl = (grad_loss.float() if grad_loss is not None
-                  else torch.zeros((), dtype=torch.float32, device=dev))
-            if need_de:
-                de32 = de_f.mul_(gl)
-            if need_db:
-                db = db_f * gl
-            if need_dc:
-                if grad_lse is not None:
-                    dc32 = dc_f * gl
-                elif home is not None:
-                    home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
-                elif c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
-                    dc = dc_f.mul_(gl)
-                else:
-                    dc = torch.empty_like(c, memory_format=torch.contiguous_format)
-                    torch.mul(dc_f, gl, out=dc)
-            if grad_lse is not None:  # the lse output's gradient: the usual recompute pass
-                e2, t2, _, _ = _rows(e, targets, o)
-                coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
-                x_de, _, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap,
-                                                   need_de, need_dc, need_db,
-                                                   dc_acc=dc32 if need_dc else None)
-                if need_de:
-                    de32 = de32 + x_de
-                if need_db:
-                    db = db + x_db
-                if need_dc and home is not None:
-                    home.add_(dc32)  # rounded once into main_grad's dtype
-                elif need_dc:
-                    dc = dc32.to(c.dtype)
+            consume(ctx, "the gradients formed in forward")
+            de32, dc, db = _backward_formed(kept, grad_loss, grad_lse, e, c, bias, targets, lse,
+                                            v_global, v_offset, o, need_de, need_dc, need_db,
+                                            home)
         else:
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
@@ -315,18 +281,47 @@ def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_
     return de, dc, None if db is None else torch.cat([db, db_rest])
 
 
-def _consume(ctx, what: str) -> None:
-    """Note that this backward turns ``what`` into gradients in place (the saved tiles become
-    dz; the fp32 dC accumulator becomes the gradient): a second backward is refused."""
-    ctx.consumed = what
-
-
-def _refuse_if_consumed(ctx) -> None:
-    if ctx.consumed:
-        raise RuntimeError(
-            f"linear_cross_entropy: a second backward through the same loss; this call turned "
-            f"{ctx.consumed} into gradients in the first one (memory_budget allowed a strategy "
-            f"that works in place). Pass memory_budget=0 to backward twice.")
+def _backward_formed(kept, grad_loss, grad_lse, e, c, bias, targets, lse, v_global: int,
+                     v_offset: int, o: _Opts, need_de: bool, need_dc: bool, need_db: bool,
+                     home=None):
+    """Gradients of the strategy that formed them in forward for an upstream gradient of 1:
+    ``kept`` fp32 ``(dE, dC, dbias)`` scaled by the loss's upstream gradient, in place (backward
+    holds no second fp32 copy; the caller refuses a second backward), plus the lse output's
+    gradient by the recompute pass. Returns ``(dE fp32, dC in c.dtype or None when added into
+    ``home``, dbias)``."""
+    de_f, dc_f, db_f = kept
+    de32 = dc = db = dc32 = None
+    gl = (grad_loss.float() if grad_loss is not None
+          else torch.zeros((), dtype=torch.float32, device=e.device))
+    if need_de:
+        de32 = de_f.mul_(gl)
+    if need_db:
+        db = db_f * gl
+    if need_dc:
+        if grad_lse is not None:
+            dc32 = dc_f * gl
+        elif home is not None:
+            home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
+        elif c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
+            dc = dc_f.mul_(gl)
+        else:
+            dc = torch.empty_like(c, memory_format=torch.contiguous_format)
+            torch.mul(dc_f, gl, out=dc)
+    if grad_lse is None:
+        return de32, dc, db
+    e2, t2, _, _ = _rows(e, targets, o)  # the lse output's gradient: the usual recompute pass
+    coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
+    x_de, _, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de,
+                                       need_dc, need_db, dc_acc=dc32)
+    if need_de:
+        de32 = de32 + x_de
+    if need_db:
+        db = db + x_db
+    if need_dc and home is not None:
+        home.add_(dc32)  # rounded once into main_grad's dtype
+    elif need_dc:
+        dc = dc32.to(c.dtype)
+    return de32, dc, db
 
 
 def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):

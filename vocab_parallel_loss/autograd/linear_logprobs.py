@@ -27,7 +27,7 @@ import torch
 from .. import backends, communication
 from ..formulas import merge_logprob_stats
 from ..runtime import untraced
-from .first_order import refuse_double_backward
+from .first_order import consume, refuse_double_backward, refuse_if_consumed
 from .logprobs import Options, finish, hidden_grad, upstream_grad
 from .main_grad import dummy as main_grad_dummy, home as main_grad_home
 from .strategy import choose_strategy
@@ -79,7 +79,6 @@ class _LinearLogprobs(torch.autograd.Function):
         ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad, *kept)
         ctx.o, ctx.sp, ctx.chunk_bytes = o, sequence_parallel, chunk_bytes
         ctx.tile_v = None if saved is None else saved.block_v
-        ctx.consumed = False
         ctx.mark_non_differentiable(col)
         return logp, ent, col
 
@@ -87,6 +86,7 @@ class _LinearLogprobs(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, _):
         if torch.is_grad_enabled():  # create_graph=True
             refuse_double_backward("linear_token_logprobs")
+        refuse_if_consumed(ctx, "linear_token_logprobs")
         e, c, bias, t, inv_t, lse, ent, ignored, bad, *kept = ctx.saved_tensors
         o: Options = ctx.o
         need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -117,13 +117,7 @@ class _LinearLogprobs(torch.autograd.Function):
         if n and v:
             start = 0
             if kept:
-                if ctx.consumed:
-                    raise RuntimeError(
-                        "linear_token_logprobs: a second backward through the same outputs; "
-                        "the first turned their saved logits into gradients (memory_budget "
-                        "allowed the saved-tiles strategy). Pass memory_budget=0 to backward "
-                        "twice.")
-                ctx.consumed = True
+                consume(ctx, "their saved logits")
                 u, tile_max = kept[0], kept[1]
                 start = u.shape[1]
                 saved = K.SavedTiles(u, tile_max, ctx.tile_v)
