@@ -240,6 +240,17 @@ def test_grad_in_forward_path(n, h, v, reduction, kw, monkeypatch):
     assert calls, "the gradients were not formed in forward"
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaled_round_rounds_to_nearest(dtype):
+    """On the GPU the accumulator of the gradients formed in forward is rounded exactly as
+    PyTorch rounds ``src * g``: to nearest, once."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    src = torch.randn(1000, 4099, device="cuda", generator=g) * 7
+    scale = torch.tensor(0.731, device="cuda")
+    out = K.scaled_round(src, scale, torch.empty(src.shape, dtype=dtype, device="cuda"))
+    assert torch.equal(out, (src * scale).to(dtype))
+
+
 def test_grad_in_forward_memory(monkeypatch):
     n, h, v = 16384, 1024, 32000
     cfg = K.default_config(torch.device("cuda")).replace(strategy="grad_in_forward")

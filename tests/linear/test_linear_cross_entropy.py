@@ -475,6 +475,29 @@ def test_grad_in_forward_edge_cases(grad_in_forward):
     assert len(grad_in_forward) == n_before
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_round(dtype):
+    """The gradients formed in forward are rounded once from ``src * g``: fp32 exactly as
+    PyTorch; 16-bit within one ulp (the interpreter truncates where the GPU rounds to nearest)."""
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(7)
+    src = torch.randn(37, 53, generator=g) * 3
+    scale = torch.tensor(0.37)
+    out = K.scaled_round(src, scale, torch.empty(37, 53, dtype=dtype))
+    want = src.double() * 0.37
+    if dtype == torch.float32:
+        assert torch.equal(out, src * scale)
+    else:
+        ulp = torch.finfo(dtype).eps  # one ulp at 1, relative
+        assert bool(((out.double() - want).abs() <= ulp * want.abs()).all())
+    assert K.scaled_round(src[:0], scale, torch.empty(0, 53, dtype=dtype)).shape == (0, 53)
+    with pytest.raises(ValueError, match="contiguous"):
+        K.scaled_round(src.t(), scale, torch.empty(53, 37, dtype=dtype))
+    with pytest.raises(ValueError, match="scale of 2"):
+        K.scaled_round(src, torch.ones(2), torch.empty(37, 53, dtype=dtype))
+
+
 def test_strategy_follows_memory_budget(monkeypatch):
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")

@@ -305,8 +305,8 @@ def _backward_formed(kept, grad_loss, grad_lse, e, c, bias, targets, lse, v_glob
         elif c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
             dc = dc_f.mul_(gl)
         else:
-            dc = torch.empty_like(c, memory_format=torch.contiguous_format)
-            torch.mul(dc_f, gl, out=dc)
+            dc = o.backend.scaled_round(dc_f, gl, torch.empty_like(
+                c, memory_format=torch.contiguous_format))
     if grad_lse is None:
         return de32, dc, db
     e2, t2, _, _ = _rows(e, targets, o)  # the lse output's gradient: the usual recompute pass

@@ -8,6 +8,8 @@ functions; the files hold one idea each:
 ``fused.py``   the ``tl.dot`` kernels that recompute logits tiles: forward statistics
                (``forward_stats``) and dlogits with the gradient GEMMs (``backward``), 8NHV
 ``gemm.py``    the gradient GEMMs with fp32 accumulation (cuBLAS or a Triton GEMM)
+``rounding.py`` an fp32 accumulator, scaled by the upstream gradient, rounded once into the
+               output dtype (the gradients formed in forward)
 ``saved.py``   the saved-tiles strategy: the forward saves the logits tiles, backward turns
                them into dlogits in place and runs two GEMMs, 6NHV; the same tiles a row
                chunk at a time give scalar losses their gradients in forward
@@ -23,6 +25,7 @@ from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
 from .fused import backward, forward_split, forward_stats
 from .gemm import gemm_acc, gemm_store
+from .rounding import scaled_round
 from .saved import (SavedTiles, backward_saved, gif_chunk_rows, rows_of,
                     saved_bytes, saved_dz_inplace, saved_tiles)
 
@@ -31,5 +34,5 @@ __all__ = [
     "backward",
     "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
-    "gif_chunk_rows",
+    "gif_chunk_rows", "scaled_round",
 ]
