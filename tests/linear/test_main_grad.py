@@ -130,13 +130,16 @@ def test_grad_in_forward_budget_counts_the_whole_accumulator(monkeypatch):
         return strategy_mod.choose_strategy(K, e, c, None, "mean", False, None, None, 0.0,
                                             budget, main_grad)
 
-    # forward: fp32 accumulators less the bf16 gradients returned; backward: the accumulators
+    # forward: fp32 accumulators less the bf16 gradients returned; backward: dE rounded first
+    # (fp32 dE and dC and the bf16 dE), then dC (fp32 dC, bf16 dC and dE)
     fixed, backward = strategy_mod.gif_fixed_bytes(n, v, h, e, c)
-    assert (fixed, backward) == (v * h * 2 + n * h * 2, v * h * 4 + n * h * 4)
+    assert (fixed, backward) == (v * h * 2 + n * h * 2, max(n * h * 4 + v * h * 2, v * h * 4))
+    # into main_grad: dC first, allocating nothing, then dE
     assert strategy_mod.gif_fixed_bytes(n, v, h, e, c, main_grad=True) == (
-        v * h * 4 + n * h * 2, v * h * 4 + n * h * 4)
-    # fp32: both accumulators become the gradients returned
+        v * h * 4 + n * h * 2, max(v * h * 4 + n * h * 2, n * h * 4))
+    # fp32 weights: dC's accumulator is its gradient; fp32 both: both are
     e32, c32 = (x.detach().float().requires_grad_() for x in (e, c))
+    assert strategy_mod.gif_fixed_bytes(n, v, h, e, c32) == (n * h * 2, n * h * 4)
     assert strategy_mod.gif_fixed_bytes(n, v, h, e32, c32) == (0, 0)
     cfg = KC.OVERRIDE_CONFIG
     block = cfg.fwd_block_n

@@ -162,6 +162,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                            o.smoothing, o.z_loss)
 
         count = (~ignored).sum() if o.reduction == "mean" else None
+        if o.strategy == "grad_in_forward":
+            # not saved tensors: backward releases each fp32 accumulator once it is rounded
+            ctx.formed, kept = list(kept), ()
         ctx.save_for_backward(e, c, bias, targets, lse, count, *kept)
         ctx.o = o
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
@@ -202,9 +205,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                            need_db, home)
         elif o.strategy == "grad_in_forward":
             consume(ctx, "the gradients formed in forward")
-            de32, dc, db = _backward_formed(kept, grad_loss, grad_lse, e, c, bias, targets, lse,
-                                            v_global, v_offset, o, need_de, need_dc, need_db,
-                                            home)
+            formed, ctx.formed = ctx.formed, None
+            de32, dc, db = _backward_formed(formed, grad_loss, grad_lse, e, c, bias, targets,
+                                            lse, v_global, v_offset, o, need_de, need_dc,
+                                            need_db, home)
         else:
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
@@ -281,47 +285,65 @@ def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_
     return de, dc, None if db is None else torch.cat([db, db_rest])
 
 
-def _backward_formed(kept, grad_loss, grad_lse, e, c, bias, targets, lse, v_global: int,
-                     v_offset: int, o: _Opts, need_de: bool, need_dc: bool, need_db: bool,
-                     home=None):
+def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse,
+                     v_global: int, v_offset: int, o: _Opts, need_de: bool, need_dc: bool,
+                     need_db: bool, home=None):
     """Gradients of the strategy that formed them in forward for an upstream gradient of 1:
-    ``kept`` fp32 ``(dE, dC, dbias)`` scaled by the loss's upstream gradient, in place (backward
-    holds no second fp32 copy; the caller refuses a second backward), plus the lse output's
-    gradient by the recompute pass. Returns ``(dE fp32, dC in c.dtype or None when added into
+    ``formed``, the fp32 ``[dE, dC, dbias]``, scaled by the loss's upstream gradient and
+    rounded once. Each accumulator is released (taken out of ``formed``) once rounded, so the
+    second rounding never holds both; the one rounded first allocates nothing new where it can
+    (dC into ``home`` or into an fp32 weight's own gradient), else dE, the smaller
+    (``strategy.gif_fixed_bytes`` counts the same order). The caller refuses a second backward.
+    With the lse output's gradient, its recompute pass adds into the scaled fp32 accumulators
+    first. Returns ``(dE fp32 or already in e.dtype, dC in c.dtype or None when added into
     ``home``, dbias)``."""
-    de_f, dc_f, db_f = kept
-    de32 = dc = db = dc32 = None
     gl = (grad_loss.float() if grad_loss is not None
           else torch.zeros((), dtype=torch.float32, device=e.device))
-    if need_de:
-        de32 = de_f.mul_(gl)
-    if need_db:
-        db = db_f * gl
-    if need_dc:
-        if grad_lse is not None:
-            dc32 = dc_f * gl
-        elif home is not None:
-            home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
-        elif c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
-            dc = dc_f.mul_(gl)
-        else:
-            dc = o.backend.scaled_round(dc_f, gl, torch.empty_like(
-                c, memory_format=torch.contiguous_format))
-    if grad_lse is None:
+    db = formed[2] * gl if need_db else None
+    if grad_lse is not None:
+        de32 = formed[0].mul_(gl) if need_de else None
+        dc32 = formed[1].mul_(gl) if need_dc else None
+        formed.clear()
+        e2, t2, _, _ = _rows(e, targets, o)  # the lse output's gradient: the usual recompute
+        coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
+        x_de, _, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de,
+                                           need_dc, need_db, dc_acc=dc32)
+        if need_de:
+            de32.add_(x_de)
+        if need_db:
+            db = db + x_db
+        dc = None
+        if need_dc and home is not None:
+            home.add_(dc32)  # rounded once into main_grad's dtype
+        elif need_dc:
+            dc = dc32 if c.dtype == torch.float32 else dc32.to(c.dtype)
         return de32, dc, db
-    e2, t2, _, _ = _rows(e, targets, o)  # the lse output's gradient: the usual recompute pass
-    coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
-    x_de, _, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de,
-                                       need_dc, need_db, dc_acc=dc32)
+
+    def round_dc():
+        dc_f, formed[1] = formed[1], None
+        if home is not None:
+            home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
+            return None
+        if c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
+            return dc_f.mul_(gl)
+        return o.backend.scaled_round(dc_f, gl, torch.empty_like(
+            c, memory_format=torch.contiguous_format))
+
+    def round_de():
+        de_f, formed[0] = formed[0], None
+        if e.dtype == torch.float32:
+            return de_f.mul_(gl)
+        return o.backend.scaled_round(de_f, gl, torch.empty_like(de_f, dtype=e.dtype))
+
+    de = dc = None
+    if need_dc and (home is not None or c.dtype == torch.float32):
+        dc = round_dc()
     if need_de:
-        de32 = de32 + x_de
-    if need_db:
-        db = db + x_db
-    if need_dc and home is not None:
-        home.add_(dc32)  # rounded once into main_grad's dtype
-    elif need_dc:
-        dc = dc32.to(c.dtype)
-    return de32, dc, db
+        de = round_de()
+    if need_dc and formed[1] is not None:
+        dc = round_dc()
+    formed.clear()
+    return de, dc, db
 
 
 def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):

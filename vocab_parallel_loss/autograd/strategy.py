@@ -25,16 +25,22 @@ def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
                     main_grad: bool = False) -> tuple:
     """``(forward, backward)``: what the gradients formed in forward hold beyond the gradients
     the call returns (``memory_budget``'s measure), in forward besides one chunk's saved tiles
-    and in backward. Forward: the fp32 dC and dE accumulators less the gradients returned (for
-    fp32 weights dC's accumulator becomes the gradient; with a ``main_grad`` none is returned).
-    Backward: both accumulators, scaled in place by the upstream gradient, while the gradients
-    in the input dtype are written from them."""
+    and at backward's peak. Forward: the fp32 dC and dE accumulators. Backward rounds them one
+    at a time, in the order ``linear._backward_formed`` takes: dC first where that allocates
+    nothing (into a ``main_grad``, or an fp32 weight's accumulator that becomes its gradient),
+    else dE first; each accumulator is released once rounded."""
     need_dc, need_de = c.requires_grad, e.requires_grad
-    ret_dc = 0 if main_grad else c.element_size()
-    forward = need_dc * v * h * (4 - ret_dc) + need_de * n * h * max(4 - e.element_size(), 0)
-    backward = (need_dc * v * h * (4 if ret_dc < 4 else 0)
-                + need_de * n * h * (4 if e.element_size() < 4 else 0))
-    return forward, backward
+    f_dc, f_de = need_dc * 4 * v * h, need_de * 4 * n * h  # the fp32 accumulators
+    r_dc = 0 if main_grad else need_dc * c.element_size() * v * h  # the gradients returned
+    r_de = need_de * e.element_size() * n * h
+    new_dc = r_dc if c.element_size() < 4 else 0  # allocated by the rounding
+    new_de = r_de if e.element_size() < 4 else 0
+    returned = r_dc + r_de
+    if main_grad or c.element_size() == 4:  # dC first, then dE
+        peak = max(f_de + f_dc + new_dc, f_de + r_dc + new_de)
+    else:  # dE first, then dC
+        peak = max(f_de + f_dc + new_de, r_de + f_dc + new_dc)
+    return max(f_dc + f_de - returned, 0), max(peak - returned, 0)
 
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
