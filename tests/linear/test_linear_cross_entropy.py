@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests._process_group import single_rank_group
+from tests.linear._budgets import one_saved_tile_budget
 from tests.linear._lce_oracle import lce_reference, reference_grads
 from vocab_parallel_loss import VocabParallelLinearCrossEntropy, backends, linear_cross_entropy
 from vocab_parallel_loss.reference.linear import TorchBackend
@@ -498,6 +499,32 @@ def test_scaled_round(dtype):
         K.scaled_round(src, torch.ones(2), torch.empty(37, 53, dtype=dtype))
 
 
+def test_recompute_counts_de_beyond_the_returned_gradient(monkeypatch):
+    """The fp32 dE of the recomputed columns counts as the budget measures: less the dE it
+    becomes while the chunks run, whole when rounded into it; whole under sequence parallelism."""
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    n, h = 300, 8
+    de = strategy_mod.recompute_de_bytes
+    assert de(n, h, 2, True, False) == (2 * n * h, 4 * n * h)  # bf16
+    assert de(n, h, 4, True, False) == (0, 0)  # fp32: the accumulator is the gradient
+    assert de(n, h, 2, False, False) == (4 * n * h, 4 * n * h)
+    assert de(n, h, 2, True, True) == (4 * n * h, 4 * n * h)
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    cfg = K.INTERPRET_CONFIG
+    e, c, _, _ = make(n=n, h=h, dtype=torch.bfloat16)
+    chunk = cfg.chunk_bytes
+    assert chunk < n * 53 * 2  # several chunks
+
+    def pick(budget):
+        return strategy_mod.choose_strategy(K, e, c, None, "none", False, None, 5.0, 0.1,
+                                            budget)  # softcap and smoothing: nothing saved
+
+    # the whole chunk beside the fp32 dE fits once the returned dE is not counted twice
+    assert pick(max(2 * n * h + chunk, 4 * n * h)) == ("recompute", None, None)
+    assert pick(2 * n * h + chunk - 1) == ("recompute", chunk - 1, None)
+
+
 def test_strategy_follows_memory_budget(monkeypatch):
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
@@ -539,10 +566,7 @@ def test_strategy_follows_memory_budget(monkeypatch):
 
 def _one_saved_tile_budget(n, h, v, size):
     """The budget that saves one tile of the logits and recomputes the rest."""
-    cfg = K.INTERPRET_CONFIG
-    block = cfg.bwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
-    return n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, size, cfg)
+    return one_saved_tile_budget(K, n, h, v, size, K.INTERPRET_CONFIG)
 
 
 @pytest.mark.parametrize("budget", [None, 0, "one-tile"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.linear._budgets import one_saved_tile_budget
 from tests.linear._lce_oracle import reference_grads
 from tests.linear.test_linear_cross_entropy import K, KC, make, strategy_mod
 from vocab_parallel_loss import VocabParallelLinearCrossEntropy, linear_cross_entropy
@@ -33,9 +34,7 @@ def case(request, monkeypatch):
         if strategy == "split":
             monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
             n, h, v = 37, 24, 53
-            block = cfg.bwd_block_v
-            chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * 4)
-            kw["memory_budget"] = n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, 4, cfg)
+            kw["memory_budget"] = one_saved_tile_budget(K, n, h, v, 4, cfg)
         else:
             monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg.replace(strategy=strategy))
     return request.param, kw

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from tests._torchrun import end_worker, init_worker_process_group
+from tests.linear._budgets import one_saved_tile_budget
 from tests.rl._oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
 from vocab_parallel_loss.autograd.strategy import choose_strategy
@@ -92,10 +93,10 @@ def case_hidden(sp, unequal, budget):
     memory_budget = None
     if budget != "saved":
         cfg = K.default_config(e_mine.device)
-        n, block = s * b, cfg.bwd_block_v
-        chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * 4)
+        n = s * b
         memory_budget = (0 if budget == "recompute"
-                         else n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, 4, cfg))
+                         else one_saved_tile_budget(K, n, h, v_local, 4, cfg,
+                                                    sequence_parallel=sp and world > 1))
         if budget == "split" and backends.triton_runs(e_mine):
             picked = choose_strategy(K, e_mine, c_mine, None, "none", sp, dist.group.WORLD,
                                      None, 0.0, memory_budget)

@@ -4,6 +4,7 @@ on both backends: values and gradients under random upstream gradients."""
 import pytest
 import torch
 
+from tests.linear._budgets import one_saved_tile_budget
 from tests.rl._oracle import oracle
 from vocab_parallel_loss import linear_token_logprobs, token_logprobs
 from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_entropy
@@ -171,10 +172,7 @@ def _kernels_or_skip():
 
 def _one_saved_tile_budget(K, n, h, v_local, size):
     """The budget that saves the first tile of the logits and recomputes the rest."""
-    cfg = K.INTERPRET_CONFIG
-    block = cfg.bwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * size)
-    return n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, size, cfg)
+    return one_saved_tile_budget(K, n, h, v_local, size, K.INTERPRET_CONFIG)
 
 
 @pytest.mark.parametrize("plan", ["saved", "split", "recompute"])

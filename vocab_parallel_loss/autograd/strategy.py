@@ -83,13 +83,34 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
             return "grad_in_forward", None, rows
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    de_hold, de_round = recompute_de_bytes(n, h, size, e.requires_grad,
+                                           sequence_parallel and world > 1)
+    recompute = max(de_hold + chunk, de_round)
     if saved_ok and n:
-        # the first columns saved, the rest recomputed: 6NHV on the former, 8NHV on the latter
+        # the first columns saved, the rest recomputed: 6NHV on the former, 8NHV on the latter;
+        # the saved tiles live until backward returns
         tile = cfg.fwd_block_v
         per_tile = backend.saved_bytes(n, tile, size, cfg)
-        tiles = int((budget - de32 - chunk) // per_tile)
+        tiles = int((budget - recompute) // per_tile)
         if tiles >= 1:
             return "saved", None, min(tiles * tile, v - 1)
-    if chunk + de32 <= budget:
+    if recompute <= budget:
         return "recompute", None, None
-    return "recompute", max(1, int(budget) - de32), None  # the narrowest chunks: a tile wide
+    return "recompute", max(1, int(budget) - de_hold), None  # the narrowest chunks: a tile wide
+
+
+def recompute_de_bytes(n: int, h: int, size: int, need_de: bool,
+                       sequence_parallel: bool) -> tuple:
+    """``(while the chunks run, when it is rounded)``: what the fp32 ``(N, H)`` dE that the
+    recomputed columns accumulate into holds beyond the dE returned (``memory_budget``'s
+    measure). While the chunks run the returned dE does not exist yet, so the accumulator counts
+    less its size; rounding it allocates that gradient beside it (nothing for fp32 inputs: the
+    accumulator is the gradient). Under sequence parallelism the returned shard is a fraction
+    of the gathered rows and the reduce-scatter adds its own buffer: the accumulator counts
+    whole, both times."""
+    de32 = n * h * 4
+    if sequence_parallel:
+        return de32, de32
+    returned = n * h * size if need_de else 0  # ``size``: the input's element size
+    hold = max(de32 - returned, 0)
+    return hold, (de32 if size < 4 else hold)
