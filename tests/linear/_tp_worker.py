@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from tests._torchrun import end_worker, init_worker_process_group
 
+from tests.linear._budgets import one_saved_tile_budget
 from tests.linear._lce_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
 from vocab_parallel_loss.autograd import strategy as strategy_mod
@@ -83,9 +84,8 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
               shift=shift)
     if budget == "one-tile":  # the first logits tile saved, the rest recomputed
         cfg = K.default_config(DEVICE)
-        n, block = s * b, cfg.bwd_block_v
-        chunk = min(cfg.chunk_bytes, n * -(-v_local // block) * block * 4)
-        budget = n * h * 4 + chunk + K.saved_bytes(n, cfg.fwd_block_v, 4, cfg)
+        budget = one_saved_tile_budget(K, s * b, h, v_local, e.element_size(), cfg,
+                                       sequence_parallel=sp and dist.get_world_size() > 1)
         picked = strategy_mod.choose_strategy(K, e, c, None, reduction, sp, dist.group.WORLD, softcap,
                                         smoothing, budget)
         assert impl != "triton" or picked == ("saved", None, cfg.fwd_block_v), picked

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests._cuda_graph import assert_capture_replays_eager
+from tests.linear._budgets import one_saved_tile_budget
 from vocab_parallel_loss import linear_token_logprobs
 from vocab_parallel_loss.autograd.strategy import choose_strategy
 from vocab_parallel_loss.kernels import linear as K
@@ -64,8 +65,7 @@ def test_strategies_match_fp32(plan, softcap, scale):
     e, c, b, t, temp, g_lp, g_ent = _case(n, h, v, valid=valid)
     cfg = K.default_config(e.device)
     tile = cfg.fwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v // cfg.bwd_block_v) * cfg.bwd_block_v * 2)
-    four_tiles = n * h * 4 + chunk + K.saved_bytes(n, 4 * tile, 2, cfg)  # four saved, rest not
+    four_tiles = one_saved_tile_budget(K, n, h, v, 2, cfg, tiles=4)  # four saved, rest not
     budget = {"saved": None, "split": four_tiles, "recompute": 0}[plan]
     picked = choose_strategy(K, e, c, b, "none", False, None, softcap, 0.0, budget)
     assert picked == {"saved": ("saved", None, None), "split": ("saved", None, 4 * tile),
