@@ -447,6 +447,17 @@ def test_grad_in_forward_matches_oracle(grad_in_forward, case, dtype):
     assert grad_in_forward, "the grad-in-forward path did not run"
 
 
+@pytest.mark.parametrize("n,v", [(19, 53), (90, 31)], ids=["dE-first", "dC-first"])
+def test_grad_in_forward_both_rounding_orders(grad_in_forward, n, v, monkeypatch):
+    """Backward rounds dE first where the vocabulary is wider than the rows, dC first where the
+    rows outnumber it (the lower peak): both orders against the fp64 oracle."""
+    e, c, _, _ = make(n, 8, v, torch.bfloat16)
+    dc_first = strategy_mod.gif_round_dc_first(n, v, 8, e, c)
+    assert dc_first == (n > v)
+    check("triton", torch.bfloat16, reduction="sum", bias=True, n=n, h=8, v=v)
+    assert grad_in_forward
+
+
 def test_grad_in_forward_scaled_upstream_and_lse(grad_in_forward):
     e, c, b, t = make(bias=True)
     loss, lse = linear_cross_entropy(e, c, t, b, reduction="mean", return_lse=True,

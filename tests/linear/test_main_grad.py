@@ -129,10 +129,17 @@ def test_grad_in_forward_budget_counts_the_whole_accumulator(monkeypatch):
         return strategy_mod.choose_strategy(K, e, c, None, "mean", False, None, None, 0.0,
                                             budget, main_grad)
 
-    # forward: fp32 accumulators less the bf16 gradients returned; backward: dE rounded first
-    # (fp32 dE and dC and the bf16 dE), then dC (fp32 dC, bf16 dC and dE)
+    # forward: fp32 accumulators less the bf16 gradients returned; backward rounds one at a
+    # time, in the order of the lower peak: dE first (fp32 dE and dC and the bf16 dE, then fp32
+    # dC, bf16 dC and dE) where V > N, dC first (fp32 dE and dC and the bf16 dC, then fp32 dE,
+    # bf16 dE and dC) where N > V, as here
     fixed, backward = strategy_mod.gif_fixed_bytes(n, v, h, e, c)
-    assert (fixed, backward) == (v * h * 2 + n * h * 2, max(n * h * 4 + v * h * 2, v * h * 4))
+    assert (fixed, backward) == (v * h * 2 + n * h * 2, max(n * h * 2 + v * h * 4, n * h * 4))
+    assert strategy_mod.gif_round_dc_first(n, v, h, e, c)
+    wide = 5 * n  # a vocabulary wider than the rows
+    assert strategy_mod.gif_fixed_bytes(n, wide, h, e, c)[1] == max(n * h * 4 + wide * h * 2,
+                                                                   wide * h * 4)
+    assert not strategy_mod.gif_round_dc_first(n, wide, h, e, c)
     # into main_grad: dC first, allocating nothing, then dE
     assert strategy_mod.gif_fixed_bytes(n, v, h, e, c, main_grad=True) == (
         v * h * 4 + n * h * 2, max(v * h * 4 + n * h * 2, n * h * 4))

@@ -36,7 +36,7 @@ from ..runtime import compiling, untraced
 from . import compiled_ops
 from .main_grad import dummy as main_grad_dummy, home as main_grad_home
 from .first_order import consume, refuse_double_backward, refuse_if_consumed
-from .strategy import choose_strategy
+from .strategy import choose_strategy, gif_round_dc_first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,9 +291,9 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
     """Gradients of the strategy that formed them in forward for an upstream gradient of 1:
     ``formed``, the fp32 ``[dE, dC, dbias]``, scaled by the loss's upstream gradient and
     rounded once. Each accumulator is released (taken out of ``formed``) once rounded, so the
-    second rounding never holds both; the one rounded first allocates nothing new where it can
-    (dC into ``home`` or into an fp32 weight's own gradient), else dE, the smaller
-    (``strategy.gif_fixed_bytes`` counts the same order). The caller refuses a second backward.
+    second rounding never holds both, in the order of the lower peak
+    (``strategy.gif_round_dc_first``; ``gif_fixed_bytes`` counts it). The caller refuses a
+    second backward.
     With the lse output's gradient, its recompute pass adds into the scaled fp32 accumulators
     first. Returns ``(dE fp32 or already in e.dtype, dC in c.dtype or None when added into
     ``home``, dbias)``."""
@@ -336,7 +336,9 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
         return o.backend.scaled_round(de_f, gl, torch.empty_like(de_f, dtype=e.dtype))
 
     de = dc = None
-    if need_dc and (home is not None or c.dtype == torch.float32):
+    h = e.shape[-1]
+    if need_dc and gif_round_dc_first(e.numel() // max(h, 1), c.shape[0], h, e, c,
+                                      home is not None):
         dc = round_dc()
     if need_de:
         de = round_de()

@@ -21,14 +21,9 @@ from ..reference.linear import TorchBackend
 DEFAULT_MEMORY_BUDGET = 2 << 30
 
 
-def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
-                    main_grad: bool = False) -> tuple:
-    """``(forward, backward)``: what the gradients formed in forward hold beyond the gradients
-    the call returns (``memory_budget``'s measure), in forward besides one chunk's saved tiles
-    and at backward's peak. Forward: the fp32 dC and dE accumulators. Backward rounds them one
-    at a time, in the order ``linear._backward_formed`` takes: dC first where that allocates
-    nothing (into a ``main_grad``, or an fp32 weight's accumulator that becomes its gradient),
-    else dE first; each accumulator is released once rounded."""
+def _gif_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor, main_grad: bool):
+    """``(forward, backward rounding dC first, backward rounding dE first)``, beyond the
+    gradients returned (``gif_fixed_bytes``)."""
     need_dc, need_de = c.requires_grad, e.requires_grad
     f_dc, f_de = need_dc * 4 * v * h, need_de * 4 * n * h  # the fp32 accumulators
     r_dc = 0 if main_grad else need_dc * c.element_size() * v * h  # the gradients returned
@@ -36,11 +31,30 @@ def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
     new_dc = r_dc if c.element_size() < 4 else 0  # allocated by the rounding
     new_de = r_de if e.element_size() < 4 else 0
     returned = r_dc + r_de
-    if main_grad or c.element_size() == 4:  # dC first, then dE
-        peak = max(f_de + f_dc + new_dc, f_de + r_dc + new_de)
-    else:  # dE first, then dC
-        peak = max(f_de + f_dc + new_de, r_de + f_dc + new_dc)
-    return max(f_dc + f_de - returned, 0), max(peak - returned, 0)
+    dc_first = max(f_de + f_dc + new_dc, f_de + r_dc + new_de)
+    de_first = max(f_de + f_dc + new_de, r_de + f_dc + new_dc)
+    return (max(f_dc + f_de - returned, 0), max(dc_first - returned, 0),
+            max(de_first - returned, 0))
+
+
+def gif_round_dc_first(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
+                       main_grad: bool = False) -> bool:
+    """Whether backward rounds the gradients formed in forward dC first: the order whose peak is
+    lower. dC first where its rounding allocates nothing (into a ``main_grad``, or an fp32
+    weight's accumulator that becomes its gradient) or where there are more rows than
+    vocabulary rows; else dE first."""
+    _, dc_first, de_first = _gif_bytes(n, v, h, e, c, main_grad)
+    return dc_first <= de_first
+
+
+def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
+                    main_grad: bool = False) -> tuple:
+    """``(forward, backward)``: what the gradients formed in forward hold beyond the gradients
+    the call returns (``memory_budget``'s measure), in forward besides one chunk's saved tiles
+    and at backward's peak. Forward: the fp32 dC and dE accumulators. Backward rounds them one
+    at a time, each released once rounded, in the order ``gif_round_dc_first`` picks."""
+    forward, dc_first, de_first = _gif_bytes(n, v, h, e, c, main_grad)
+    return forward, min(dc_first, de_first)
 
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
