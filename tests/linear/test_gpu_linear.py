@@ -204,9 +204,14 @@ def test_int64_offsets(what, monkeypatch):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])
-def test_cuda_graph_capture(budget):
-    """No host synchronisation in forward or backward: the step captures into a CUDA graph."""
+@pytest.mark.parametrize("budget", [None, 0, "gif"], ids=["saved", "recompute", "gif"])
+def test_cuda_graph_capture(budget, monkeypatch):
+    """No host synchronisation in forward or backward: the step captures into a CUDA graph
+    (the gradients formed in forward too: their accumulators are released in backward)."""
+    if budget == "gif":
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.default_config(torch.device("cuda")).replace(
+            strategy="grad_in_forward", gif_rows=768))
+        budget = None
     e, c, b, t, up = _case(2048, 1024, 16032)
     e = e.detach().requires_grad_()
     c = c.detach().requires_grad_()
