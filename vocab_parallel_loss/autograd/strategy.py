@@ -31,6 +31,8 @@ def _gif_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor, main_gr
     new_dc = r_dc if c.element_size() < 4 else 0  # allocated by the rounding
     new_de = r_de if e.element_size() < 4 else 0
     returned = r_dc + r_de
+    # live bytes at the first rounding (both accumulators and its new gradient), then at the
+    # second (the first accumulator released, the gradient it became kept)
     dc_first = max(f_de + f_dc + new_dc, f_de + r_dc + new_de)
     de_first = max(f_de + f_dc + new_de, r_de + f_dc + new_dc)
     return (max(f_dc + f_de - returned, 0), max(dc_first - returned, 0),
