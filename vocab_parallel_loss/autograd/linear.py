@@ -319,21 +319,20 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
             dc = dc32 if c.dtype == torch.float32 else dc32.to(c.dtype)
         return de32, dc, db
 
+    def rounded(acc, dtype):  # fp32 inputs: the accumulator, scaled in place, is the gradient
+        out = acc if dtype == torch.float32 else torch.empty_like(acc, dtype=dtype)
+        return o.backend.scaled_round(acc, gl, out)
+
     def round_dc():
         dc_f, formed[1] = formed[1], None
         if home is not None:
             home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
             return None
-        if c.dtype == torch.float32:  # fp32 weights: the accumulator is the gradient
-            return dc_f.mul_(gl)
-        return o.backend.scaled_round(dc_f, gl, torch.empty_like(
-            c, memory_format=torch.contiguous_format))
+        return rounded(dc_f, c.dtype)
 
     def round_de():
         de_f, formed[0] = formed[0], None
-        if e.dtype == torch.float32:
-            return de_f.mul_(gl)
-        return o.backend.scaled_round(de_f, gl, torch.empty_like(de_f, dtype=e.dtype))
+        return rounded(de_f, e.dtype)
 
     de = dc = None
     h = e.shape[-1]

@@ -28,7 +28,8 @@ def _scaled_round_kernel(SRC, SCALE, OUT, numel, BLOCK: tl.constexpr):
 
 def scaled_round(src: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out = round(src * scale)``: ``src`` fp32 and ``out`` of the same shape, both
-    contiguous; ``scale`` one element on the same device. Returns ``out``."""
+    contiguous (``out`` may be ``src``: scaled in place); ``scale`` one element on the same
+    device. Returns ``out``."""
     if src.dtype != torch.float32 or not (src.is_contiguous() and out.is_contiguous()):
         raise ValueError("scaled_round takes a contiguous fp32 src and a contiguous out")
     if src.shape != out.shape or scale.numel() != 1:
