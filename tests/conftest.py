@@ -20,7 +20,7 @@ def impl(request, monkeypatch):
     the pure-PyTorch one, forced through ``backends.triton_runs``; the call plans are reset (a
     plan records the backend's fused path)."""
     from vocab_parallel_loss import backends
-    from vocab_parallel_loss.autograd import logits
+    from vocab_parallel_loss.ops.cross_entropy import function as logits
 
     if request.param == "triton":
         if backends.triton_logits is None:

@@ -1,12 +1,13 @@
 """Exact vocab-parallel cross entropy for tensor-parallel language-model training."""
 
+from .autograd.main_grad import requested as accumulates_into_main_grad
 from .dropins import parallel_cross_entropy, vocab_parallel_cross_entropy
-from .autograd.logprobs import TokenLogprobs
-from .functional import (cross_entropy, linear_cross_entropy, linear_token_logprobs,
+from .functional import (TokenLogprobs, cross_entropy, linear_cross_entropy, linear_token_logprobs,
                          token_logprobs)
 from .modules import VocabParallelCrossEntropy, VocabParallelLinearCrossEntropy
 
 __all__ = [
+    "accumulates_into_main_grad",
     "TokenLogprobs",
     "VocabParallelCrossEntropy",
     "VocabParallelLinearCrossEntropy",

@@ -8,6 +8,8 @@ import numbers
 import torch
 
 REDUCTIONS = ("none", "mean", "sum")
+#: ``impl`` values of the fused linear ops
+IMPLS = ("auto", "triton", "torch")
 
 #: target dtypes used as they are; the kernels read them and widen in registers
 WIDE_TARGETS = (torch.int64, torch.int32)
@@ -136,3 +138,8 @@ def check_shift(shift) -> None:
     if isinstance(shift, bool) or not isinstance(shift, numbers.Real) or int(shift) != shift \
             or shift < 0:
         raise ValueError(f"shift must be a non-negative int, got {shift!r}")
+
+
+def check_impl(impl) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

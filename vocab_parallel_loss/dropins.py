@@ -3,15 +3,13 @@ megatron-core's ``vocab_parallel_cross_entropy``, computed by ``functional.cross
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional
 
 import torch
 
-from . import communication
-from .autograd.compiled_ops import ce_forward
 from .functional import cross_entropy
+from .ops.cross_entropy import contract
 
 
 def parallel_cross_entropy(
@@ -50,30 +48,26 @@ def parallel_cross_entropy(
         inp = _input
     if inp is None or target is None:
         raise ValueError("parallel_cross_entropy needs `inp` and `target`")
-    if not math.isfinite(float(z_loss_weight)) or z_loss_weight < 0:
-        raise ValueError(f"z_loss_weight must be a finite number >= 0, got {z_loss_weight}")
+    try:
+        contract.check_options(label_smoothing, ignore_idx, "none", z_loss_weight)
+    except (TypeError, ValueError) as err:  # the arguments named as TransformerEngine names them
+        raise type(err)(str(err).replace("z_loss", "z_loss_weight")
+                        .replace("ignore_index", "ignore_idx")) from None
     options = dict(tp_group=dist_process_group, label_smoothing=label_smoothing,
                    ignore_index=ignore_idx, z_loss=z_loss_weight)
     if overwrite_input:
         # per token, then reduced here: the gradient reaches inp only in backward (a reduced loss
         # on one shard would otherwise form it in the forward kernel, over inp's values)
-        loss = cross_entropy(inp, target, reduction="none", inplace_backward=True, **options)
+        loss = cross_entropy(inp, target, reduction="none", inplace_backward=True,
+                             return_lse=return_log_sum_exp, **options)
+        lse = None
+        if return_log_sum_exp:
+            loss, lse = loss
         if reduce_loss:
             loss = loss.sum() / (target.long() != ignore_idx).sum().clamp(min=1)
-    else:
-        loss = cross_entropy(inp, target, reduction="mean" if reduce_loss else "none", **options)
-    if not return_log_sum_exp:
-        return loss
-    return loss, _log_sum_exp(inp, target, dist_process_group, ignore_idx)
-
-
-def _log_sum_exp(inp, target, group, ignore_idx) -> torch.Tensor:
-    """The full-vocabulary lse per token (0 where ignored) from the loss's own forward step."""
-    with torch.no_grad():
-        _, lse = ce_forward(inp.detach(), target, communication.group_key(group),
-                            int(ignore_idx), 0.0, 0.0)
-        lse = lse.view(target.shape)
-        return torch.where(target.long() == ignore_idx, torch.zeros_like(lse), lse)
+        return (loss, lse) if return_log_sum_exp else loss
+    return cross_entropy(inp, target, reduction="mean" if reduce_loss else "none",
+                         return_lse=return_log_sum_exp, **options)
 
 
 def _megatron_tp_group():

@@ -119,3 +119,12 @@ def logprob_and_entropy(m, s, w, x_t):
     ``H = log s - w / s`` keep full precision when every logit carries a large offset."""
     log_s = torch.log(s)
     return (x_t - m) - log_s, log_s - w / s, m + log_s
+
+
+def reduce_loss(loss, target, ignore_index: int, mean: bool):
+    """``(total, count)``: the sum of the per-token ``loss``, or its mean over the non-ignored
+    targets with their int64 count (None for the sum); 0, not NaN, when all are ignored."""
+    if not mean:
+        return loss.sum(), None
+    count = (target != ignore_index).sum()
+    return loss.sum() / count.clamp(min=1), count

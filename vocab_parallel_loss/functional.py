@@ -1,23 +1,21 @@
 """The public functions: the losses ``cross_entropy`` (over vocabulary-sharded logits) and
 ``linear_cross_entropy`` (from hidden states and classifier rows), and the per-token
-log-probabilities and entropy ``token_logprobs`` / ``linear_token_logprobs``."""
+log-probabilities and entropy ``token_logprobs`` / ``linear_token_logprobs``.
+
+Each is its documentation over one call into its op (``ops/<op>``), which checks the arguments,
+builds the options, picks the backend and strategy and runs the autograd Function."""
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from . import backends, checks, communication, settings
-from .autograd import compiled_ops
-from .autograd import linear as linear_autograd
-from .autograd import logits as logits_autograd
-from .autograd import linear_logprobs as linear_logprobs_autograd
-from .autograd import logprobs as logprobs_autograd
-from .reference import logprobs as torch_logprobs
-from .backends import IMPLS
-from .runtime import compiling
+from .ops import cross_entropy as _cross_entropy
+from .ops import linear_cross_entropy as _linear_cross_entropy
+from .ops import linear_token_logprobs as _linear_token_logprobs
+from .ops import token_logprobs as _token_logprobs
+from .ops.token_logprobs.contract import TokenLogprobs
 
 
 def cross_entropy(
@@ -31,7 +29,8 @@ def cross_entropy(
     z_loss: float = 0.0,
     inplace_backward: bool = False,
     check_targets: Optional[bool] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Full-vocabulary cross entropy from this rank's vocabulary shard ``logits[..., V_local]``.
 
     Rank ``r`` of ``tp_group`` holds columns ``[r * V_local, (r + 1) * V_local)``; every rank
@@ -50,9 +49,16 @@ def cross_entropy(
     those. ``ValueError`` for logits that are a leaf requiring grad or a view of one, or whose
     elements share memory (expanded). The loss has no second derivative: a backward with
     ``create_graph=True`` through it raises.
+
+    ``return_lse=True`` returns ``(loss, lse)``: the fp32 full-vocabulary log-sum-exp per token,
+    shaped like ``target``, 0 for ignored tokens and not differentiable; it costs one more read
+    of the logits.
     """
-    return logits_autograd.loss(logits, target, tp_group, label_smoothing, ignore_index,
-                                reduction, z_loss, inplace_backward, check_targets)
+    loss = _cross_entropy.loss(logits, target, tp_group, label_smoothing, ignore_index,
+                               reduction, z_loss, inplace_backward, check_targets)
+    if not return_lse:
+        return loss
+    return loss, _cross_entropy.log_sum_exp(logits, target, tp_group, ignore_index)
 
 
 def linear_cross_entropy(
@@ -125,70 +131,10 @@ def linear_cross_entropy(
     in fp32, rounded once). Deterministic: no atomics; every sum is taken in a fixed order. No
     second derivative: a backward with ``create_graph=True`` through the loss raises.
     """
-    _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
-              sequence_parallel, label_smoothing, z_loss, impl)
-    checks.check_memory_budget(memory_budget)
-    checks.check_main_grad(c, gradient_accumulation_fusion)
-    targets = checks.widened_target(targets, int(ignore_index), "targets")
-    if settings.flag(settings.CHECK_TARGETS, False):
-        vocab = c.shape[0] * communication.world_size(tp_group)
-        if compiling():  # the check reads the device: an op of the graph, run at run time
-            targets = compiled_ops.checked_targets(targets, vocab, int(ignore_index))
-        else:
-            checks.check_target_range(targets, vocab, ignore_index)
-    loss, lse = linear_autograd.linear_loss(
-        e, c, bias, targets, backends.linear_backend(impl, e), ignore_index=int(ignore_index),
-        softcap=float(softcap) if softcap else None, reduction=reduction, shift=int(shift),
-        group=tp_group, sequence_parallel=bool(sequence_parallel),
-        smoothing=float(label_smoothing), z_loss=float(z_loss), memory_budget=memory_budget,
-        main_grad=gradient_accumulation_fusion)
-    return (loss, lse) if return_lse else loss
-
-
-def _validate(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
-              sequence_parallel, label_smoothing, z_loss, impl):
-    checks.check_float("e", e)
-    checks.check_float("c", c)
-    checks.check_target_dtype(targets, "targets")
-    checks.check_ignore_index(ignore_index)
-    checks.check_smoothing(label_smoothing)
-    checks.check_reduction(reduction)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if e.dim() < 2:
-        raise ValueError(f"e must be (..., H) with at least one leading dim, got shape {tuple(e.shape)}")
-    if c.dim() != 2:
-        raise ValueError(f"c must be (V_local, H), got shape {tuple(c.shape)}")
-    if c.shape[0] < 1:
-        raise ValueError("c must hold at least one vocabulary row")
-    if e.shape[-1] != c.shape[1]:
-        raise ValueError(f"e and c disagree on the hidden size H: e {tuple(e.shape)}, "
-                         f"c {tuple(c.shape)}")
-    if e.dtype != c.dtype:
-        raise ValueError(f"e and c must have the same dtype, got {e.dtype} and {c.dtype}")
-    if bias is not None:
-        checks.check_float("bias", bias)
-        if tuple(bias.shape) != (c.shape[0],):
-            raise ValueError(f"bias must be (V_local,) = ({c.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != c.dtype:
-            raise ValueError(f"bias dtype {bias.dtype} differs from c's {c.dtype}")
-    checks.check_same_device(e=e, c=c, targets=targets, bias=bias)
-    checks.check_z_loss(z_loss)
-    checks.check_softcap(softcap)
-    checks.check_shift(shift)
-    lead = list(e.shape[:-1])
-    world = communication.world_size(group)
-    if sequence_parallel and world > 1:
-        # only what the targets decide (the same on every rank) is checked here: each rank's
-        # rows of e are compared with targets.shape[0] // world across the group, so that every
-        # rank raises, not only some while the others wait in the gather (check_shapes)
-        if targets.shape[0:1] and targets.shape[0] % world:
-            raise ValueError(f"sequence_parallel=True: dim 0 of targets {tuple(targets.shape)} "
-                             f"is not divisible by the tensor-parallel group size {world}")
-        lead[0] = targets.shape[0] if targets.shape[0:1] else lead[0] * world
-    checks.check_leading_shape(
-        "leading dims of e" + (" (gathered over the TP group)" if sequence_parallel else ""),
-        torch.Size(lead), targets)
+    return _linear_cross_entropy.loss(e, c, targets, bias, ignore_index, softcap, reduction,
+                                      shift, return_lse, tp_group, sequence_parallel,
+                                      label_smoothing, z_loss, impl, memory_budget,
+                                      gradient_accumulation_fusion)
 
 
 def token_logprobs(
@@ -201,7 +147,7 @@ def token_logprobs(
     return_entropy: bool = False,
     return_argmax: bool = False,
     vocab_range: Optional[tuple] = None,
-) -> "logprobs_autograd.TokenLogprobs":
+) -> TokenLogprobs:
     """Per-token log-probability of ``target`` (and optionally the entropy and the argmax) under
     ``softmax(logits / temperature)`` over the full vocabulary, from this rank's vocabulary shard.
 
@@ -215,16 +161,8 @@ def token_logprobs(
     (argmax is still given); a target outside the vocabulary gets a NaN log-prob. Both float
     outputs are differentiable, each with its own upstream gradient.
     """
-    checks.check_float("logits", logits)
-    if logits.dim() < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have a non-empty vocabulary dim, got {tuple(logits.shape)}")
-    t = _flat_targets(target, logits.shape[:-1], logits.device)
-    o = _logprob_options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
-                         _rows_backend(backends.triton_runs(logits), logits.dtype),
-                         logits.device)
-    inv_t = _inverse_temperature(temperature, target, logits)
-    lp, ent, col = logprobs_autograd.from_logits(logits, t, inv_t, o)
-    return _shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
+    return _token_logprobs.logprobs(logits, target, tp_group, temperature, ignore_index,
+                                    return_entropy, return_argmax, vocab_range)
 
 
 def linear_token_logprobs(
@@ -245,7 +183,7 @@ def linear_token_logprobs(
     impl: str = "auto",
     memory_budget: Optional[int] = None,
     gradient_accumulation_fusion: bool = False,
-) -> "logprobs_autograd.TokenLogprobs":
+) -> TokenLogprobs:
     """``token_logprobs`` of the logits ``cap(logit_scale * (hidden @ weight.T + bias))``
     without materializing them: the Triton kernels form them tile by tile (the fused linear
     engine of ``linear_cross_entropy``), PyTorch one fp32 column chunk at a time.
@@ -262,101 +200,7 @@ def linear_token_logprobs(
     raises). ``gradient_accumulation_fusion``: the gradient of ``weight`` is added into
     ``weight.main_grad`` instead of returned, as for ``linear_cross_entropy``.
     """
-    checks.check_float("hidden", hidden)
-    checks.check_float("weight", weight)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(f"hidden (..., H) and weight (V_local, H) disagree: {tuple(hidden.shape)}"
-                         f" and {tuple(weight.shape)}")
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError("hidden, weight and bias must have one dtype")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias must be (V_local,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap}")
-    if not (math.isfinite(float(logit_scale)) and float(logit_scale) != 0):
-        raise ValueError(f"logit_scale must be a finite non-zero float, got {logit_scale}")
-    sp = bool(sequence_parallel) and communication.world_size(tp_group) > 1
-    lead = list(hidden.shape[:-1])
-    if sp:
-        lead[0] *= communication.world_size(tp_group)
-    t = _flat_targets(target, torch.Size(lead), hidden.device)
-    kernels = impl != "torch" and hidden.dtype != torch.float64 and backends.triton_runs(hidden)
-    if impl == "triton" and not kernels:
-        raise ValueError("impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of "
-                         "fp32, bf16 or fp16; use impl='torch' or 'auto'")
-    o = _logprob_options(tp_group, weight.shape[0], vocab_range, ignore_index,
-                         float(logit_scale), None if softcap is None else float(softcap),
-                         _rows_backend(kernels, hidden.dtype), hidden.device)
-    checks.check_memory_budget(memory_budget)
-    checks.check_main_grad(weight, gradient_accumulation_fusion, "weight")
-    inv_t = _inverse_temperature(temperature, target, hidden)
-    if kernels:
-        lp, ent, col = linear_logprobs_autograd.from_hidden(
-            hidden, weight, bias, t, inv_t, o, sp, bool(return_argmax), memory_budget,
-            gradient_accumulation_fusion)
-    else:
-        lp, ent, col = logprobs_autograd.from_hidden(hidden, weight, bias, t, inv_t, o, sp,
-                                                     gradient_accumulation_fusion)
-    return _shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
-
-
-def _flat_targets(target, lead, device):
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
-        raise TypeError(f"target must be an integer tensor, got "
-                        f"{getattr(target, 'dtype', type(target))}")
-    if tuple(target.shape) != tuple(lead):
-        raise ValueError(f"target shape {tuple(target.shape)} does not match the leading dims "
-                         f"{tuple(lead)}")
-    if target.device != device:
-        raise ValueError(f"target is on {target.device}, the inputs on {device}")
-    return target.reshape(-1).to(torch.int64)  # any integer dtype compares exactly as int64
-
-
-def _rows_backend(kernels: bool, dtype):
-    if kernels and dtype != torch.float64 and backends.triton_logprobs is not None:
-        return backends.triton_logprobs
-    return torch_logprobs
-
-
-def _logprob_options(group, v_local, vocab_range, ignore_index, scale, softcap, rows, device):
-    if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
-    world = communication.world_size(group)
-    if vocab_range is None:  # equal shards, checked with the statistics' all-gather
-        start, valid, vocab = communication.rank(group) * v_local, v_local, world * v_local
-    else:
-        start, stop = (int(x) for x in vocab_range)
-        if not 0 <= start <= stop <= start + v_local:
-            raise ValueError(f"vocab_range must be (start, stop) with 0 <= start <= stop <= start"
-                             f" + V_local ({v_local}), got {tuple(vocab_range)}")
-        start, valid = start, stop - start
-        vocab = communication.vocab_size_of_ranges(start, stop, group, device)
-    return logprobs_autograd.Options(group, start, valid, int(ignore_index), vocab, scale,
-                                     softcap, rows, 0 if vocab_range is not None else v_local)
-
-
-def _inverse_temperature(temperature, target, like):
-    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
-    if isinstance(temperature, torch.Tensor):
-        if temperature.requires_grad and torch.is_grad_enabled():
-            raise ValueError("temperature is not differentiated: pass it detached")
-        if not temperature.is_floating_point():
-            raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
-        if temperature.numel() == 1 and temperature.dim() == 0:
-            return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(1)
-        if tuple(temperature.shape) != tuple(target.shape):
-            raise ValueError(f"a temperature tensor must have the target's shape "
-                             f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
-        return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(-1).contiguous()
-    value = float(temperature)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device)
-
-
-def _shaped(lp, ent, col, shape, return_entropy, return_argmax):
-    return logprobs_autograd.TokenLogprobs(
-        lp.view(shape), ent.view(shape) if return_entropy else None,
-        col.view(shape) if return_argmax else None)
+    return _linear_token_logprobs.logprobs(
+        hidden, weight, target, bias, tp_group, sequence_parallel, temperature, ignore_index,
+        return_entropy, return_argmax, vocab_range, softcap, logit_scale, impl, memory_budget,
+        gradient_accumulation_fusion)

@@ -9,9 +9,10 @@ from torch import nn
 
 from typing import Optional
 
-from . import checks, communication
-from .backends import IMPLS
+from . import communication
 from .functional import cross_entropy, linear_cross_entropy
+from .ops.cross_entropy import contract as ce_contract
+from .ops.linear_cross_entropy import contract as lce_contract
 
 
 class _SharesGroup:
@@ -37,13 +38,11 @@ class VocabParallelCrossEntropy(_SharesGroup, nn.Module):
     def __init__(self, tp_group=None, *, label_smoothing: float = 0.0, ignore_index: int = -100,
                  reduction: str = "none", z_loss: float = 0.0, inplace_backward: bool = False):
         super().__init__()
-        checks.check_smoothing(label_smoothing)
-        checks.check_reduction(reduction)
-        checks.check_z_loss(z_loss)
+        ignore_index = ce_contract.check_options(label_smoothing, ignore_index, reduction, z_loss)
         self.tp_group = tp_group
         communication.group_key(tp_group)  # register the group by name before any compiled call
         self.label_smoothing = float(label_smoothing)
-        self.ignore_index = checks.check_ignore_index(ignore_index)
+        self.ignore_index = ignore_index
         self.reduction = reduction
         self.z_loss = float(z_loss)
         self.inplace_backward = bool(inplace_backward)
@@ -74,18 +73,9 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
                  gradient_accumulation_fusion: bool = False):
         super().__init__()
         # every option checked here, as linear_cross_entropy checks it, not at the first forward
-        checks.check_memory_budget(memory_budget)
-        if not isinstance(gradient_accumulation_fusion, bool):
-            raise TypeError(f"gradient_accumulation_fusion must be a bool, got "
-                            f"{gradient_accumulation_fusion!r}")
-        checks.check_reduction(reduction)
-        checks.check_smoothing(label_smoothing)
-        checks.check_z_loss(z_loss)
-        checks.check_softcap(softcap)
-        checks.check_shift(shift)
-        if impl not in IMPLS:
-            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-        self.ignore_index = checks.check_ignore_index(ignore_index)
+        self.ignore_index = lce_contract.check_options(
+            ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
+            memory_budget, gradient_accumulation_fusion)
         self.softcap = softcap
         self.reduction = reduction
         self.shift = shift

@@ -43,7 +43,7 @@ def test_linear_cross_entropy_check_targets_compiled(monkeypatch):
 
 
 def test_check_ops_pass_opcheck():
-    from vocab_parallel_loss.autograd import compiled_ops as ops
+    from vocab_parallel_loss.ops.fused_linear import compiled_checks as ops
 
     torch.library.opcheck(ops.checked_targets, (BAD.clamp(max=6), 7, -100))
     with pytest.raises(ValueError, match="target value 9"):
@@ -52,7 +52,7 @@ def test_check_ops_pass_opcheck():
 
 def test_shapes_op_passes_opcheck_and_reads_new_shapes_only():
     from vocab_parallel_loss import communication
-    from vocab_parallel_loss.autograd import compiled_ops as ops
+    from vocab_parallel_loss.ops.fused_linear import compiled_checks as ops
 
     gathered = torch.zeros(2, communication.stats_size(4, 3))
     gathered[:, 12] = 7  # both ranks: 7 vocabulary columns

@@ -15,7 +15,7 @@ from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, cross_entr
                                  parallel_cross_entropy, settings)
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
 
-ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
+ce_mod = importlib.import_module("vocab_parallel_loss.ops.cross_entropy.function")
 
 TOL = {torch.float32: (2e-5, 2e-6), torch.bfloat16: (1e-4, 8e-3), torch.float16: (1e-4, 1e-3),
        torch.float64: (1e-12, 1e-13)}  # float64: computed in float64
@@ -462,7 +462,7 @@ def test_backward_config_for_label_smoothing():
 def test_cached_call_plans_keep_every_check(impl):
     """Calls with a signature seen before skip the checks (a cached plan): every call that
     differs in what the checks look at must still be checked."""
-    ce = importlib.import_module("vocab_parallel_loss.autograd.logits")
+    ce = importlib.import_module("vocab_parallel_loss.ops.cross_entropy.function")
     logits = torch.randn(3, 4, 37)
     target = torch.randint(0, 37, (3, 4))
     first = cross_entropy(logits, target, label_smoothing=0.1)

@@ -19,7 +19,7 @@ from tests._oracle import full_vocab_loss_and_grad
 from tests.core.test_cross_entropy import make_logits
 from vocab_parallel_loss import backends, cross_entropy
 
-ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
+ce_mod = importlib.import_module("vocab_parallel_loss.ops.cross_entropy.function")
 
 #: every integer dtype this torch has; bool and uint64 must be refused (TypeError naming target)
 TARGET_DTYPES = [getattr(torch, n) for n in ("bool", "uint8", "int8", "int16", "uint16",

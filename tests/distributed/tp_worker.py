@@ -23,7 +23,7 @@ from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
 from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, parallel_cross_entropy,
                                  vocab_parallel_cross_entropy)
 
-ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
+ce_mod = importlib.import_module("vocab_parallel_loss.ops.cross_entropy.function")
 
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
 

@@ -125,7 +125,7 @@ def test_chained_launches_match_plain_ones(reduction, monkeypatch):
 
     if not K._pdl(torch.device("cuda")):
         pytest.skip("programmatic dependent launch: compute capability 9.0+, VPL_PDL not 0")
-    ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")
+    ce_mod = importlib.import_module("vocab_parallel_loss.ops.cross_entropy.function")
     x, _, _ = _case(8192, 16032, torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(1)
     targets = []

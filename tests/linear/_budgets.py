@@ -1,9 +1,9 @@
 """Memory budgets that force a strategy of the fused linear engine, from the accounting the
-engine itself uses (``autograd/strategy.py``)."""
+engine itself uses (``ops/fused_linear/strategy.py``)."""
 
 from __future__ import annotations
 
-from vocab_parallel_loss.autograd.strategy import recompute_de_bytes
+from vocab_parallel_loss.ops.fused_linear.strategy import recompute_de_bytes
 
 
 def one_saved_tile_budget(K, n: int, h: int, v: int, size: int, cfg, need_de: bool = True,

@@ -25,7 +25,7 @@ from tests._torchrun import end_worker, init_worker_process_group
 from tests.linear._budgets import one_saved_tile_budget
 from tests.linear._lce_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
-from vocab_parallel_loss.autograd import strategy as strategy_mod
+from vocab_parallel_loss.ops.fused_linear import strategy as strategy_mod
 from vocab_parallel_loss.kernels import linear as K
 
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda

@@ -20,8 +20,8 @@ K = importlib.import_module("vocab_parallel_loss.kernels.linear")
 KC = K.config  # default_config reads OVERRIDE_CONFIG here
 KF = importlib.import_module("vocab_parallel_loss.kernels.linear.fused")
 KG = importlib.import_module("vocab_parallel_loss.kernels.linear.gemm")
-LCE = importlib.import_module("vocab_parallel_loss.autograd.linear")
-STRATEGY = importlib.import_module("vocab_parallel_loss.autograd.strategy")
+LCE = importlib.import_module("vocab_parallel_loss.ops.linear_cross_entropy.function")
+STRATEGY = importlib.import_module("vocab_parallel_loss.ops.fused_linear.strategy")
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -21,8 +21,8 @@ from vocab_parallel_loss import VocabParallelLinearCrossEntropy, backends, linea
 from vocab_parallel_loss.reference.linear import TorchBackend
 from vocab_parallel_loss.settings import interpreting
 
-lce_mod = importlib.import_module("vocab_parallel_loss.autograd.linear")
-strategy_mod = importlib.import_module("vocab_parallel_loss.autograd.strategy")
+lce_mod = importlib.import_module("vocab_parallel_loss.ops.linear_cross_entropy.function")
+strategy_mod = importlib.import_module("vocab_parallel_loss.ops.fused_linear.strategy")
 K = backends.triton_linear
 KC = K.config if K is not None else None  # default_config reads OVERRIDE_CONFIG here
 KF = K.fused if K is not None else None

@@ -12,7 +12,7 @@ import torch
 from tests._cuda_graph import assert_capture_replays_eager
 from tests.linear._budgets import one_saved_tile_budget
 from vocab_parallel_loss import linear_token_logprobs
-from vocab_parallel_loss.autograd.strategy import choose_strategy
+from vocab_parallel_loss.ops.fused_linear.strategy import choose_strategy
 from vocab_parallel_loss.kernels import linear as K
 
 pytestmark = [pytest.mark.gpu,

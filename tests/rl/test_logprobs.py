@@ -73,7 +73,7 @@ def test_vocab_range_pads_and_out_of_range_is_nan(impl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("softcap,scale,bias", [(None, 1.0, False), (5.0, 0.5, True)])
 def test_from_hidden_matches_oracle(impl, dtype, softcap, scale, bias, monkeypatch):
-    from vocab_parallel_loss.autograd import logprobs as autograd_logprobs
+    from vocab_parallel_loss.ops.token_logprobs import function as autograd_logprobs
 
     monkeypatch.setattr(autograd_logprobs, "CHUNK_BYTES", 7 * 4 * 256)  # several column chunks
     g = torch.Generator().manual_seed(3)
@@ -181,7 +181,7 @@ def test_fused_strategies_match_oracle(plan, dtype, monkeypatch):
     # the Triton path runs the fused linear engine: every strategy memory_budget can pick,
     # with a per-token temperature, softcap, logit scale, bias and vocabulary padding
     K = _kernels_or_skip()
-    from vocab_parallel_loss.autograd.strategy import choose_strategy
+    from vocab_parallel_loss.ops.fused_linear.strategy import choose_strategy
     from vocab_parallel_loss.kernels.linear import config as KC
 
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)

@@ -34,11 +34,16 @@ import triton
 import triton.language as tl
 
 from .. import settings
-from ..reference import logits as torch_reference  # large reductions: the PyTorch ops
+from ..formulas import reduce_loss  # large reductions: the PyTorch ops
 from .launch import launch, launch_memo, multiprocessors
 
 # In the kernels, 1.4426950408889634 is log2(e) and 0.6931471805599453 is ln(2): written as
 # literals because plain module-level floats are not visible inside @triton.jit on every version.
+
+
+#: Backend capabilities (``backends.LogitsBackend``)
+NAME = "triton"
+FORMS_REDUCED_GRADIENT = True
 
 
 @triton.jit
@@ -614,7 +619,7 @@ def reduce(loss, target, ignore_index, mean, memo=None, count=None, chained=Fals
     if loss.numel() > REDUCE_ONE_PROGRAM_MAX:
         if counted:  # the PyTorch ops
             return loss.sum() / count.clamp(min=1), count
-        return torch_reference.reduce(loss, target, ignore_index, mean)
+        return reduce_loss(loss, target, ignore_index, mean)
     out = torch.empty((), dtype=torch.float32, device=loss.device)
     if mean and not counted:
         count = torch.empty((), dtype=torch.int64, device=loss.device)

@@ -24,6 +24,11 @@ import triton.language as tl
 from .launch import launch
 
 
+#: Backend capabilities (``backends.RowsBackend``)
+NAME = "triton"
+TRACEABLE = False
+
+
 @triton.jit
 def _row_start(row, D1, s0, s1):
     r = row.to(tl.int64)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
-from .. import checks
+from ..ops.cross_entropy import contract as ce_contract
+from ..ops.linear_cross_entropy import contract as lce_contract
 
 
 @dataclasses.dataclass
@@ -40,11 +41,11 @@ class VocabParallelLossConfig:
     memory_budget_gib: Optional[float] = None
 
     def __post_init__(self) -> None:
-        # the loss's own checks: the config accepts exactly what the loss accepts
-        checks.check_smoothing(self.label_smoothing)
-        checks.check_z_loss(self.z_loss)
-        checks.check_memory_budget(self.memory_budget_gib)
-        self.ignore_index = checks.check_ignore_index(self.ignore_index)
+        # the losses' own checks: the config accepts exactly what the losses accept
+        self.ignore_index = ce_contract.check_options(self.label_smoothing, self.ignore_index,
+                                                      "none", self.z_loss)
+        lce_contract.check_options(self.ignore_index, None, "none", 0, self.label_smoothing,
+                                   self.z_loss, "auto", self.memory_budget_gib, False)
 
     @classmethod
     def from_args(cls, args: Any) -> "VocabParallelLossConfig":

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..autograd.main_grad import requested as accumulates_into_main_grad
+from .. import accumulates_into_main_grad
 from . import _compat
 from .config import VocabParallelLossConfig
 
@@ -58,7 +58,7 @@ def fused_linear_loss(
     the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the weight (DDP's), the
     weight's gradient is added into ``main_grad``, as the output layer would add it.
     """
-    from ..functional import linear_cross_entropy
+    from .. import linear_cross_entropy
 
     bias: Optional[torch.Tensor] = getattr(output_layer, "bias", None)  # GPTModel's has none
     if bias is not None and getattr(output_layer, "skip_bias_add", False):

@@ -25,6 +25,11 @@ class TorchBackend:
     does not need that buffer).
     """
 
+    #: Backend capabilities (``backends.LinearBackend``)
+    NAME = "torch"
+    TRACEABLE = True
+    STRATEGIES = ("recompute",)
+
     @staticmethod
     def _rows(n: int, v: int) -> int:
         return max(1, min(n, TORCH_CHUNK_BYTES // max(1, 4 * v)))

@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from ..formulas import compute_dtype, merge_stats, token_loss
+from ..formulas import compute_dtype, merge_stats, reduce_loss, token_loss
+
+#: Backend capabilities (``backends.LogitsBackend``)
+NAME = "torch"
+FORMS_REDUCED_GRADIENT = False
+
 
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -93,10 +98,7 @@ def merge(gathered, target, loss, lse, opts):
 
 def reduce(loss, target, ignore_index, mean, memo=None):
     """Same contract as the Triton backend's ``reduce``."""
-    if not mean:
-        return loss.sum(), None
-    count = (target != ignore_index).sum()
-    return loss.sum() / count.clamp(min=1), count
+    return reduce_loss(loss, target, ignore_index, mean)
 
 
 def backward(view, dview, target, lse, dloss, count, opts, memo=None):

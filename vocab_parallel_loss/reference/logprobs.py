@@ -9,6 +9,11 @@ import torch
 from .logits import row_blocks
 
 
+#: Backend capabilities (``backends.RowsBackend``)
+NAME = "torch"
+TRACEABLE = True
+
+
 def _transform(z, inv_t, scale, softcap):
     y = z * scale
     if softcap is not None:

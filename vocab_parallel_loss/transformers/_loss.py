@@ -41,7 +41,7 @@ def causal_lm_loss(
     ``"none"`` ignore ``num_items_in_batch``; ``"none"`` returns the per-token losses in the
     shape of the shifted labels (0 where ignored).
     """
-    from ..functional import linear_cross_entropy
+    from .. import linear_cross_entropy
 
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..functional import linear_token_logprobs
+from .. import linear_token_logprobs
 
 _REDUCTIONS = ("none", "sum", "mean")
 

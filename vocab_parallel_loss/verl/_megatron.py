@@ -3,8 +3,8 @@ per-token log-probs and entropy straight from the decoder's hidden states."""
 
 from __future__ import annotations
 
-from ..functional import linear_token_logprobs
-from ..autograd.main_grad import requested as accumulates_into_main_grad
+from .. import linear_token_logprobs
+from .. import accumulates_into_main_grad
 
 
 def output_processor(*, hidden_states, output_layer, output_weight=None, labels=None,

@@ -29,7 +29,13 @@ from .rounding import scaled_round
 from .saved import (SavedTiles, backward_saved, gif_chunk_rows, rows_of,
                     saved_bytes, saved_dz_inplace, saved_tiles)
 
+#: Backend capabilities (``backends.LinearBackend``)
+NAME = "triton"
+TRACEABLE = False
+STRATEGIES = ("saved", "grad_in_forward", "recompute")
+
 __all__ = [
+    "NAME", "STRATEGIES", "TRACEABLE",
     "AMPERE_CONFIG", "HOPPER_CONFIG", "INTERPRET_CONFIG", "LCEConfig", "LogprobArgs", "SavedTiles",
     "backward",
     "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",

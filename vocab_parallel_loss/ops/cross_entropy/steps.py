@@ -1,6 +1,6 @@
 """The forward and backward steps of the loss over logits, shared by the eager autograd
-Function (``autograd/logits.py``) and the ops registered for ``torch.compile``
-(``autograd/compiled_ops.py``).
+Function (``function.py``) and the ops registered for ``torch.compile``
+(``compiled.py``).
 
 Forward: per-shard statistics (backend kernel) -> one all-gather over the TP group (with each
 shard's width, ``communication.check_shapes``) -> merge into the full-vocabulary loss and lse. Backward: no communication; the gradient is recomputed from the
@@ -11,20 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import communication
-from ..backends import logits_backend
-from ..formulas import compute_dtype
-from ..layout import like_rows
-from ..options import LossOptions
-
-
-def loss_options(group, v_local, ignore_index, smoothing, z_loss) -> LossOptions:
-    """The options of this rank's shard of a ``v_local``-column vocabulary slice."""
-    if group is None:  # the common single-shard call: no process-group queries
-        return LossOptions(0, v_local, ignore_index, smoothing, z_loss)
-    world = communication.world_size(group)
-    rank = communication.rank(group) if world > 1 else 0
-    return LossOptions(rank * v_local, v_local * world, ignore_index, smoothing, z_loss)
+from ... import communication
+from ...backends import logits_backend
+from ...formulas import compute_dtype
+from ...layout import like_rows
 
 
 def forward_impl(view, t, group, opts, memo=None):

@@ -14,7 +14,7 @@ coefficients plus one more:
 never the gradient in forward): every logits tile saved in forward (6NHV), the first columns
 saved and the rest recomputed, or all recomputed in column chunks (8NHV).
 
-Vocabulary padding (``Options.valid`` < the rows of ``c``) is left out of every kernel and gets
+Vocabulary padding (``LogprobOptions.valid`` < the rows of ``c``) is left out of every kernel and gets
 zero gradients. The TP merge, ignore and out-of-range handling are ``logprobs.finish``'s.
 """
 
@@ -24,20 +24,24 @@ from typing import Optional
 
 import torch
 
-from .. import backends, communication
-from ..formulas import merge_logprob_stats
-from ..runtime import untraced
-from .first_order import consume, refuse_double_backward, refuse_if_consumed
-from .logprobs import Options, finish, hidden_grad, upstream_grad
-from .main_grad import dummy as main_grad_dummy, home as main_grad_home
-from .strategy import choose_strategy
+from ... import backends, communication
+from ...formulas import merge_logprob_stats
+from ...runtime import untraced
+from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
+from ..token_logprobs import contract as logprob_contract
+from ..token_logprobs import function as logprob_function
+from ..token_logprobs.contract import LogprobOptions
+from ..token_logprobs.function import finish, hidden_grad, upstream_grad
+from . import contract
+from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
+from ..fused_linear.strategy import choose_strategy
 
 
 def _kernels():
     return backends.triton_linear
 
 
-def _stats(e2, c, bias, t, o: Options, lp, cfg, saved_cols: Optional[int]):
+def _stats(e2, c, bias, t, o: LogprobOptions, lp, cfg, saved_cols: Optional[int]):
     """Local ``(5, N)`` statistics of the vocabulary columns, and the saved tiles (or None)."""
     K = _kernels()
     n, v = e2.shape[0], o.valid
@@ -62,7 +66,7 @@ def _stats(e2, c, bias, t, o: Options, lp, cfg, saved_cols: Optional[int]):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, plan):
+    def forward(ctx, e, c, bias, t, inv_t, o: LogprobOptions, sequence_parallel: bool, plan):
         ctx.set_materialize_grads(False)
         K = _kernels()
         strategy, chunk_bytes, saved_cols, need_argmax, ctx.main_grad = plan
@@ -88,7 +92,7 @@ class _LinearLogprobs(torch.autograd.Function):
             refuse_double_backward("linear_token_logprobs")
         refuse_if_consumed(ctx, "linear_token_logprobs")
         e, c, bias, t, inv_t, lse, ent, ignored, bad, *kept = ctx.saved_tensors
-        o: Options = ctx.o
+        o: LogprobOptions = ctx.o
         need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
@@ -150,13 +154,43 @@ class _LinearLogprobs(torch.autograd.Function):
                 None)
 
 
-def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, need_argmax: bool,
+def from_hidden(e, c, bias, t, inv_t, o: LogprobOptions, sequence_parallel: bool, need_argmax: bool,
                 memory_budget=None, main_grad: bool = False):
     """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows, on the
     Triton kernels (a graph break under torch.compile); with ``main_grad`` the gradient of ``c``
     is added into ``c.main_grad`` (``main_grad.py``)."""
-    strategy, chunk_bytes, saved_cols = choose_strategy(
-        _kernels(), e, c, bias, "none", sequence_parallel, o.group, o.softcap, 0.0,
-        memory_budget, main_grad)
-    plan = (strategy, chunk_bytes, saved_cols, need_argmax, main_grad)
+    st = choose_strategy(_kernels(), e, c, bias, "none", sequence_parallel, o.group, o.softcap,
+                         0.0, memory_budget, main_grad)
+    plan = (st.name, st.chunk_bytes, st.size, need_argmax, main_grad)
     return untraced(_LinearLogprobs.apply, e, c, bias, t, inv_t, o, sequence_parallel, plan)
+
+
+def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperature,
+             ignore_index, return_entropy, return_argmax, vocab_range, softcap, logit_scale,
+             impl, memory_budget, gradient_accumulation_fusion):
+    """``functional.linear_token_logprobs`` (see there): check, options, backend and strategy,
+    then the Function."""
+    contract.check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
+                   gradient_accumulation_fusion)
+    world = communication.world_size(tp_group)
+    sp = bool(sequence_parallel) and world > 1
+    lead = list(hidden.shape[:-1])
+    if sp:
+        lead[0] *= world
+    t = logprob_contract.flat_targets(target, torch.Size(lead), hidden.device)
+    kernels = impl != "torch" and hidden.dtype != torch.float64 and backends.triton_runs(hidden)
+    if impl == "triton" and not kernels:
+        raise ValueError("impl='triton' needs a CUDA tensor (or TRITON_INTERPRET=1 on CPU) of "
+                         "fp32, bf16 or fp16; use impl='torch' or 'auto'")
+    o = logprob_contract.options(tp_group, weight.shape[0], vocab_range, ignore_index,
+                                 float(logit_scale), None if softcap is None else float(softcap),
+                                 logprob_function.rows_backend(kernels, hidden.dtype),
+                                 hidden.device)
+    inv_t = logprob_contract.inverse_temperature(temperature, target, hidden)
+    if kernels:
+        lp, ent, col = from_hidden(hidden, weight, bias, t, inv_t, o, sp, bool(return_argmax),
+                                   memory_budget, gradient_accumulation_fusion)
+    else:
+        lp, ent, col = logprob_function.from_hidden(hidden, weight, bias, t, inv_t, o, sp,
+                                                    gradient_accumulation_fusion)
+    return logprob_contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)

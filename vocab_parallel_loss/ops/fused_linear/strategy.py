@@ -9,16 +9,29 @@ narrowed when the budget is smaller than one. The loss (``linear.py``) and the t
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
-from .. import communication
-from ..reference.linear import TorchBackend
+from ... import communication
 
 
 #: Extra device memory the fused linear engine may use when the caller names no budget: the
 #: saved-tiles strategy up to 2 GiB of saved logits (a 16K-column TP shard up to 64K tokens, a
 #: 128K vocabulary up to 8K tokens), else the fastest that fits.
 DEFAULT_MEMORY_BUDGET = 2 << 30
+
+
+class Strategy(NamedTuple):
+    """How one call forms its gradients (``choose_strategy``)."""
+
+    name: str = "recompute"  # "saved", "grad_in_forward" or "recompute"
+    chunk_bytes: Optional[int] = None  # "recompute": the dlogits chunk, when the budget caps it
+    size: Optional[int] = None  # "saved": leading columns saved (None: all); "grad_in_forward":
+    # rows per chunk (None: ``LCEConfig.gif_rows``)
+
+
+_RECOMPUTE = Strategy()
 
 
 def _gif_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor, main_grad: bool):
@@ -61,19 +74,18 @@ def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
                     softcap, smoothing: float, memory_budget, main_grad: bool = False):
-    """``(strategy, recompute chunk bytes or None, size or None)``: the fastest way to form the
-    gradients whose extra memory fits ``memory_budget`` bytes (docs/design.md, section 7,
-    "Strategies"); ``size`` is the leading columns saved (``"saved"``; None: all of them) or the
-    rows per chunk (``"grad_in_forward"``; None: ``LCEConfig.gif_rows``).
+    """The ``Strategy``: the fastest way to form the gradients whose extra memory fits
+    ``memory_budget`` bytes (docs/design.md, section 7, "Strategies"), among those the backend
+    runs (``backend.STRATEGIES``).
     ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies. ``main_grad``:
     dC is added into ``c.main_grad`` (gradient-accumulation fusion), not returned.
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""
-    if backend is TorchBackend or not torch.is_grad_enabled():
-        return "recompute", None, None
+    if "saved" not in backend.STRATEGIES or not torch.is_grad_enabled():
+        return _RECOMPUTE
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return "recompute", None, None  # forward only: statistics, nothing saved
+        return _RECOMPUTE  # forward only: statistics, nothing saved
     cfg = backend.default_config(e.device)
     world = communication.world_size(group)
     h, v, size = e.shape[-1], c.shape[0], e.element_size()
@@ -85,18 +97,18 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     if cfg.strategy != "auto":
         ok = {"saved": saved_ok, "grad_in_forward": scalar and saved_ok,
               "recompute": True}[cfg.strategy]
-        return (cfg.strategy if ok else "recompute"), None, None
+        return Strategy(cfg.strategy) if ok else _RECOMPUTE
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
     if saved_ok and backend.saved_bytes(n, v, size, cfg) + (de32 if world > 1 else 0) <= budget:
-        return "saved", None, None
+        return Strategy("saved")
     # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
     # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
     if scalar and world == 1 and saved_ok and n:
         forward, backward = gif_fixed_bytes(n, v, h, e, c, main_grad)
         rows = backend.gif_chunk_rows(n, v, size, budget - forward, cfg) if budget >= backward else 0
         if rows:
-            return "grad_in_forward", None, rows
+            return Strategy("grad_in_forward", size=rows)
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
     de_hold, de_round = recompute_de_bytes(n, h, size, e.requires_grad,
@@ -109,10 +121,10 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         per_tile = backend.saved_bytes(n, tile, size, cfg)
         tiles = int((budget - recompute) // per_tile)
         if tiles >= 1:
-            return "saved", None, min(tiles * tile, v - 1)
+            return Strategy("saved", size=min(tiles * tile, v - 1))
     if recompute <= budget:
-        return "recompute", None, None
-    return "recompute", max(1, int(budget) - de_hold), None  # the narrowest chunks: a tile wide
+        return _RECOMPUTE
+    return Strategy(chunk_bytes=max(1, int(budget) - de_hold))  # the narrowest chunks: a tile wide
 
 
 def recompute_de_bytes(n: int, h: int, size: int, need_de: bool,

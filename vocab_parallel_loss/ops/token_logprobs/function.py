@@ -15,45 +15,24 @@ the Triton kernels run the fused linear engine instead, ``linear_logprobs.py``).
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
-
 import torch
 
-from .. import communication
-from ..formulas import logprob_and_entropy, merge_logprob_stats
-from ..layout import RowView, like_rows, row_view
-from ..reference import logprobs as torch_rows
-from ..runtime import untraced
-from .first_order import refuse_double_backward
-from .main_grad import dummy as main_grad_dummy, home as main_grad_home
+from ... import backends, communication
+from ...formulas import logprob_and_entropy, merge_logprob_stats
+from ...layout import RowView, like_rows, row_view
+from ...reference import logprobs as torch_rows
+from ...runtime import untraced
+from ...autograd.first_order import refuse_double_backward
+from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
+from . import contract
+from .contract import LogprobOptions
 
 #: Bytes of one fp32 column chunk of logits in the hidden-state path (its dz in the input dtype
 #: is half of it again): 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
 CHUNK_BYTES = 128 * 1024 * 1024
 
 
-class TokenLogprobs(NamedTuple):
-    """Per-token outputs, shaped like the targets: fp32 ``log_probs`` (float64 for float64
-    inputs), ``entropy`` (None unless asked for), int64 ``argmax`` (None unless asked for)."""
-
-    log_probs: torch.Tensor
-    entropy: Optional[torch.Tensor]
-    argmax: Optional[torch.Tensor]
-
-
-class Options(NamedTuple):
-    group: object
-    col_start: int  # global id of this rank's first column
-    valid: int  # columns of this rank that are vocabulary (the rest is padding)
-    ignore_index: int
-    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs)
-    scale: float
-    softcap: Optional[float]
-    rows: object  # the row backend: kernels/logprobs.py or reference/logprobs.py
-    width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
-
-
-def _gather(stats, o: Options):
+def _gather(stats, o: LogprobOptions):
     """``(world, 5, N)`` statistics of every rank, and a device bool: the ranks' shard widths
     agree (``communication.check_shapes``: raised on a rank whose width is new to it)."""
     k, n = stats.shape
@@ -68,7 +47,7 @@ def _gather(stats, o: Options):
     return communication.gathered_stats(gathered, k, n), agree
 
 
-def finish(stats, t, o: Options):
+def finish(stats, t, o: LogprobOptions):
     """Merge over the TP group; apply ignore and out-of-range targets."""
     parts, agree = _gather(stats, o)
     m, s, w, x_t, col = merge_logprob_stats(parts)
@@ -109,7 +88,7 @@ def hidden_grad(de, full_shape, e, group, sequence_parallel: bool):
 
 class _FromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, t, inv_t, o: Options):
+    def forward(ctx, logits, t, inv_t, o: LogprobOptions):
         ctx.set_materialize_grads(False)
         view = row_view(logits)
         n = t.numel()
@@ -145,11 +124,30 @@ class _FromLogits(torch.autograd.Function):
         return dview.tensor, None, None, None
 
 
-def from_logits(logits, t, inv_t, o: Options):
+def from_logits(logits, t, inv_t, o: LogprobOptions):
     """``(log_probs, entropy, argmax)`` flat, from this rank's logits shard."""
-    if o.rows is torch_rows:
+    if o.rows.TRACEABLE:
         return _FromLogits.apply(logits, t, inv_t, o)
     return untraced(_FromLogits.apply, logits, t, inv_t, o)
+
+
+def rows_backend(kernels: bool, dtype):
+    """The row backend: the Triton kernels where they run (not for float64), else PyTorch."""
+    if kernels and dtype != torch.float64 and backends.triton_logprobs is not None:
+        return backends.triton_logprobs
+    return torch_rows
+
+
+def logprobs(logits, target, tp_group, temperature, ignore_index, return_entropy,
+             return_argmax, vocab_range):
+    """``functional.token_logprobs`` (see there): check, options, backend, then the Function."""
+    contract.check(logits)
+    t = contract.flat_targets(target, logits.shape[:-1], logits.device)
+    o = contract.options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
+                         rows_backend(backends.triton_runs(logits), logits.dtype), logits.device)
+    inv_t = contract.inverse_temperature(temperature, target, logits)
+    lp, ent, col = from_logits(logits, t, inv_t, o)
+    return contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
 
 
 def _chunk_cols(n: int, v: int, elem: int) -> int:
@@ -159,7 +157,7 @@ def _chunk_cols(n: int, v: int, elem: int) -> int:
 
 class _FromHidden(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, t, inv_t, o: Options, sequence_parallel: bool, main_grad: bool):
+    def forward(ctx, e, c, bias, t, inv_t, o: LogprobOptions, sequence_parallel: bool, main_grad: bool):
         gemm = torch_rows.TorchGemm
         ctx.set_materialize_grads(False)
         full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
@@ -237,7 +235,7 @@ class _FromHidden(torch.autograd.Function):
                 None)
 
 
-def from_hidden(e, c, bias, t, inv_t, o: Options, sequence_parallel: bool,
+def from_hidden(e, c, bias, t, inv_t, o: LogprobOptions, sequence_parallel: bool,
                 main_grad: bool = False):
     """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows, in
     PyTorch (the Triton path is ``linear_logprobs.py``); with ``main_grad`` the gradient of

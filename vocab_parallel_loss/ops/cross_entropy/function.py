@@ -19,13 +19,15 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import checks, settings
-from ..backends import logits_backend, triton_logits
-from ..layout import RowView, like_rows, may_overlap, row_view
-from ..runtime import compiling
-from . import compiled_ops
-from .first_order import refuse_double_backward
-from .steps import backward_impl, forward_impl, loss_options
+from ... import checks, communication, settings
+from ...backends import logits_backend
+from ...layout import RowView, like_rows, may_overlap, row_view
+from ...runtime import compiling
+from . import compiled
+from ...autograd.first_order import refuse_double_backward
+from . import contract
+from .contract import LossOptions, loss_options
+from .steps import backward_impl, forward_impl
 
 
 class _Plan(NamedTuple):
@@ -37,6 +39,7 @@ class _Plan(NamedTuple):
     """
 
     group: object
+    backend: object  # ``backends.LogitsBackend`` of the logits' device and dtype
     opts: LossOptions
     reduction: str
     inplace_backward: bool
@@ -53,30 +56,15 @@ _plans: dict = {}
 _MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
 
 
-def _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index=-100):
-    checks.check_float("logits", logits)
-    checks.check_target_dtype(target)
-    checks.check_ignore_index(ignore_index)
-    checks.check_smoothing(label_smoothing)
-    checks.check_reduction(reduction)
-    shape = logits.shape
-    if not shape or shape[-1] < 1:
-        raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(shape)}")
-    if target.shape != shape[:-1]:
-        checks.check_leading_shape("leading dims of logits", shape[:-1], target)
-    if target.device != logits.device:
-        checks.check_same_device(logits=logits, target=target)
-    checks.check_z_loss(z_loss)
-
-
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
                inplace_backward) -> _Plan:
     """Check the arguments; returns the plan of their call signature."""
-    _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index)
+    contract.check(logits, target, label_smoothing, reduction, z_loss, ignore_index)
     # equal vocabulary shards are checked on every forward, from the statistics' all-gather
     # (communication.check_shapes)
     opts = loss_options(tp_group, logits.shape[-1], int(ignore_index), float(label_smoothing),
                         float(z_loss))
+    backend = logits_backend(logits)
     view = row_view(logits)
     rows = (view.D1, view.s0, view.s1) if view.tensor is logits else None
     # a layout read from a copy is written over the copy
@@ -87,9 +75,9 @@ def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reductio
     # after the loss reads it, which no version counter can catch (its backward runs first)
     fused = (reduction != "none" and not inplace_backward
              and opts.vocab_size == logits.shape[-1]
-             and logits_backend(logits) is triton_logits
+             and backend.FORMS_REDUCED_GRADIENT
              and settings.flag(settings.FUSED_REDUCED, True))
-    plan = _Plan(tp_group, opts, reduction, bool(inplace_backward), rows, fused, overlaps, {},
+    plan = _Plan(tp_group, backend, opts, reduction, bool(inplace_backward), rows, fused, overlaps, {},
                  settings.flag(settings.CHECK_TARGETS, False))
     return plan
 
@@ -98,7 +86,7 @@ def _fused_forward(ctx, view, t, plan):
     """A reduced loss on one shard, its gradient formed in the same kernel (4 B/element of HBM
     traffic instead of 6, see ``kernels.logits.forward_grad``) for an upstream gradient
     of 1; backward then only acts when the upstream gradient is not 1, decided on the device."""
-    backend, opts, memo = triton_logits, plan.opts, plan.memo
+    backend, opts, memo = plan.backend, plan.opts, plan.memo
     n, device = t.numel(), view.tensor.device
     mean = plan.reduction == "mean"
     count = backend.count(t, opts.ignore_index, memo) if mean else None
@@ -125,7 +113,7 @@ def _fused_backward(ctx, dloss):
         return backward_impl(view, t, lse, dloss, count, plan.opts, False, plan.memo)
     ctx.grad = None
     # recompute the gradient from the logits when dloss != 1 (rounded once, as in two passes)
-    triton_logits.backward(view, dview, t, lse, dloss, count, plan.opts, plan.memo,
+    plan.backend.backward(view, dview, t, lse, dloss, count, plan.opts, plan.memo,
                            unless_unit=True)
     return dview.tensor
 
@@ -142,8 +130,8 @@ def _loss_forward(ctx, logits, target, plan):
     loss, lse = forward_impl(view, t, plan.group, opts, plan.memo)
     out = count = None
     if plan.reduction != "none":
-        out, count = logits_backend(logits).reduce(loss, t, opts.ignore_index, plan.reduction == "mean",
-                                             plan.memo)
+        out, count = plan.backend.reduce(loss, t, opts.ignore_index, plan.reduction == "mean",
+                                         plan.memo)
     if ctx is not None:
         # view.tensor is the logits themselves except for layouts that needed a copy
         ctx.save_for_backward(view.tensor, t, lse, count)
@@ -209,10 +197,10 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
         target = checks.widened_target(target, ignore_index)
     if compiling():
         # registered torch.library ops: traced by torch.compile, no graph break
-        _check_args(logits, target, label_smoothing, reduction, z_loss, ignore_index)
+        contract.check(logits, target, label_smoothing, reduction, z_loss, ignore_index)
         if check_targets is None:  # the switch is read when the call is traced
             check_targets = settings.flag(settings.CHECK_TARGETS, False)
-        return compiled_ops.cross_entropy_ops(logits, target, tp_group, int(ignore_index),
+        return compiled.cross_entropy_ops(logits, target, tp_group, int(ignore_index),
                                          float(label_smoothing), float(z_loss), reduction,
                                          bool(inplace_backward), bool(check_targets))
     try:
@@ -237,3 +225,15 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
     if _apply_no_functorch is not None and not _functorch_active():
         return _apply_no_functorch(logits, target, plan)
     return _VocabParallelCrossEntropy.apply(logits, target, plan)
+
+
+def log_sum_exp(logits, target, tp_group, ignore_index) -> torch.Tensor:
+    """The full-vocabulary lse per token, shaped like ``target`` (0 where ignored), not
+    differentiable: the loss's own forward step, one more read of the logits."""
+    ignore_index = int(ignore_index)
+    target = checks.widened_target(target, ignore_index)
+    with torch.no_grad():
+        _, lse = compiled.ce_forward(logits.detach(), target, communication.group_key(tp_group),
+                                     ignore_index, 0.0, 0.0)
+        lse = lse.view(target.shape)
+        return torch.where(target.long() == ignore_index, torch.zeros_like(lse), lse)

@@ -1,7 +1,7 @@
 """The loss as registered ``torch.library`` ops, the path taken under ``torch.compile``.
 
-Eager code uses the ``autograd.Function`` in autograd/logits.py (less dispatch overhead); while
-``torch.compile`` traces, ``autograd.logits.loss`` routes here instead, so the compiled graph holds two
+Eager code uses the ``autograd.Function`` in ``function.py`` (less dispatch overhead); while
+``torch.compile`` traces, ``function.loss`` routes here instead, so the compiled graph holds two
 opaque ops with fake (meta) implementations and no graph break. The reduction is done with plain
 torch ops around the per-token op, so autograd hands the backward op a per-token gradient (an
 expanded scalar for ``"mean"``/``"sum"``).
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import checks, communication
-from ..formulas import compute_dtype
-from ..layout import row_view
-from .steps import backward_impl, forward_impl, loss_options
+from ... import checks, communication
+from ...formulas import compute_dtype
+from ...layout import row_view
+from .contract import loss_options
+from .steps import backward_impl, forward_impl
 
 _NS = "vocab_parallel_loss"
 
@@ -82,34 +83,3 @@ def cross_entropy_ops(logits, target, group, ignore_index, smoothing, z_loss, re
     if reduction == "sum":
         return total
     return total / (target != ignore_index).sum().clamp(min=1)
-
-
-# The fused linear loss is traced by torch.compile (plain ops around its kernels), so its checks
-# that read the device are ops of the graph, run at run time. Each returns a tensor the loss uses:
-# an op whose result nothing uses is dropped from the graph.
-
-
-@torch.library.custom_op(f"{_NS}::checked_targets", mutates_args=())
-def checked_targets(target: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
-    """``target`` (a copy), after ``checks.check_target_range`` (a host read)."""
-    checks.check_target_range(target, vocab_size, ignore_index)
-    return target.clone()
-
-
-@checked_targets.register_fake
-def _(target, vocab_size, ignore_index):
-    return torch.empty_like(target)
-
-
-@torch.library.custom_op(f"{_NS}::shapes_agree", mutates_args=())
-def shapes_agree(gathered: torch.Tensor, k: int, n: int, local: list[int],
-                 group: str) -> torch.Tensor:
-    """``communication.check_shapes``, then the device bool ``communication.shapes_agree``."""
-    local = tuple(local)
-    communication.check_shapes(gathered, k, n, local, communication.group_from_key(group))
-    return communication.shapes_agree(communication.gathered_shapes(gathered, k, n), local)
-
-
-@shapes_agree.register_fake
-def _(gathered, k, n, local, group):
-    return gathered.new_empty((), dtype=torch.bool)

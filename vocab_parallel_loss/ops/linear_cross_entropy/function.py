@@ -24,41 +24,21 @@ with the softcap chain rule ``dz = dx (1 - tanh^2)`` when ``x = softcap tanh(z /
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
 import torch
 
-from .. import communication
-from ..formulas import merge_partial_stats, merge_stats, relative_sums, token_loss
-from ..reference.linear import TorchBackend
-from ..runtime import compiling, untraced
-from . import compiled_ops
-from .main_grad import dummy as main_grad_dummy, home as main_grad_home
-from .first_order import consume, refuse_double_backward, refuse_if_consumed
-from .strategy import choose_strategy, gif_round_dc_first
+from ... import backends, checks, communication, settings
+from ...formulas import merge_partial_stats, merge_stats, relative_sums, token_loss
+from ...reference.linear import TorchBackend
+from ...runtime import compiling, untraced
+from ..fused_linear import compiled_checks
+from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
+from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
+from ..fused_linear.strategy import choose_strategy, gif_round_dc_first
+from . import contract
+from .contract import LinearLossOptions
 
 
-@dataclasses.dataclass(frozen=True)
-class _Opts:
-    ignore_index: int
-    softcap: Optional[float]
-    reduction: str
-    shift: int
-    group: object
-    sequence_parallel: bool
-    smoothing: float
-    z_loss: float
-    backend: object
-    strategy: str = "recompute"  # "saved", "grad_in_forward" or "recompute" (``strategy.py``)
-    chunk_bytes: Optional[int] = None  # the recompute path's dlogits chunk, when the budget caps it
-    saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
-    gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
-    seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
-    main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``main_grad.py``)
-
-
-def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
+def _rows(e: torch.Tensor, targets: torch.Tensor, o: LinearLossOptions):
     """Gather (sequence parallel), shift and flatten: ``(N, H)`` rows and ``(N,)`` targets."""
     if o.sequence_parallel:
         # every rank sends the rows the (same) targets give it: see communication.check_shapes
@@ -73,7 +53,7 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, o: _Opts):
     return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
 
 
-def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: _Opts) -> tuple:
+def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: LinearLossOptions) -> tuple:
     """This rank's shard shapes, gathered with the statistics (``communication.check_shapes``):
     ``(vocabulary rows of c, rows of e, rows of e the targets imply)`` under sequence
     parallelism, else ``(vocabulary rows of c,)``."""
@@ -82,7 +62,7 @@ def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: _Opts) -
     return (c.shape[0],)
 
 
-def _merge(stats: torch.Tensor, v_local: int, o: "_Opts", shapes: tuple):
+def _merge(stats: torch.Tensor, v_local: int, o: "LinearLossOptions", shapes: tuple):
     """All-gather ``(4, N)`` local statistics of ``v_local`` columns (the backends' format: the
     last row is the sum of logits) with this rank's ``shapes``; returns ``(m, s, x_t, sum (x -
     m))`` of the global row (``m`` NaN when the ranks' shapes disagree) and the gathered buffer
@@ -114,14 +94,14 @@ def _check_shapes(gathered, m, shapes: tuple, group):
         return m
     n = (gathered.shape[1] - communication.SHAPE_SLOTS) // 4
     if compiling():
-        agree = compiled_ops.shapes_agree(gathered, 4, n, list(shapes),
+        agree = compiled_checks.shapes_agree(gathered, 4, n, list(shapes),
                                           communication.group_key(group))
         return _nan_unless(agree, m)
     communication.check_shapes(gathered, 4, n, shapes, group)
     return m
 
 
-def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None, x_t=None):
+def _coef(lse, g, o: LinearLossOptions, v_global: int, grad_lse=None, x_t=None):
     """Per-row coefficients ``(4, N)``: lse, softmax weight, one-hot weight, constant (in the
     lse's dtype: fp32, or fp64 for float64 inputs); with ``x_t`` a fifth row, the target
     logit (the saved-tiles backward)."""
@@ -135,7 +115,7 @@ def _coef(lse, g, o: _Opts, v_global: int, grad_lse=None, x_t=None):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, targets, o: _Opts):
+    def forward(ctx, e, c, bias, targets, o: LinearLossOptions):
         ctx.set_materialize_grads(False)
         world, rank = communication.world_size(o.group), communication.rank(o.group)
         v_local = c.shape[0]
@@ -186,7 +166,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             refuse_double_backward("linear_cross_entropy")
         refuse_if_consumed(ctx, "linear_cross_entropy")
         e, c, bias, targets, lse, count, *kept = ctx.saved_tensors
-        o: _Opts = ctx.o
+        o: LinearLossOptions = ctx.o
         v_global, v_offset, full_shape, shifted_shape = ctx.meta
         need_de, need_dc, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
             bias is not None and ctx.needs_input_grad[2])
@@ -238,7 +218,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return de, dc, db, None, None
 
 
-def _forward_saving(e2, c, bias, t2, v_offset: int, o: _Opts):
+def _forward_saving(e2, c, bias, t2, v_offset: int, o: LinearLossOptions):
     """Local statistics ``(4, N)`` of the saved-tiles strategy and the tiles it saves: all
     columns, or the first ``o.saved_cols`` (the rest get statistics only, merged in)."""
     K = o.backend
@@ -255,7 +235,7 @@ def _forward_saving(e2, c, bias, t2, v_offset: int, o: _Opts):
     return stats, saved
 
 
-def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_de: bool,
+def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: LinearLossOptions, need_de: bool,
                     need_dc: bool, need_db: bool, home=None):
     """Gradients of the saved-tiles strategy: from the saved columns, then, when only the first
     ones were saved, the rest recomputed into the same fp32 dE. Returns ``(dE, dC, dbias)``
@@ -286,7 +266,7 @@ def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: _Opts, need_
 
 
 def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse,
-                     v_global: int, v_offset: int, o: _Opts, need_de: bool, need_dc: bool,
+                     v_global: int, v_offset: int, o: LinearLossOptions, need_de: bool, need_dc: bool,
                      need_db: bool, home=None):
     """Gradients of the strategy that formed them in forward for an upstream gradient of 1:
     ``formed``, the fp32 ``[dE, dC, dbias]``, scaled by the loss's upstream gradient and
@@ -356,7 +336,7 @@ def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
     return full
 
 
-def _token_grad(grad_loss, t2, count, o: _Opts, dtype):
+def _token_grad(grad_loss, t2, count, o: LinearLossOptions, dtype):
     """Per-token upstream gradient of the loss in ``dtype`` (0 for ignored tokens)."""
     n, dev = t2.numel(), t2.device
     valid = t2 != o.ignore_index
@@ -371,7 +351,7 @@ def _token_grad(grad_loss, t2, count, o: _Opts, dtype):
     return torch.where(valid, g, torch.zeros((), dtype=dtype, device=dev))
 
 
-def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset: int,
+def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: int, v_offset: int,
                         shapes: tuple):
     """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in forward,
     a chunk of ``o.gif_rows`` rows at a time: the fused forward saves the chunk's logits tiles
@@ -419,21 +399,39 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: _Opts, v_global: int, v_offset:
     return row_stats.unbind(0), (de, dc, db), first
 
 
-def linear_loss(e, c, bias, targets, backend, *, ignore_index: int, softcap, reduction: str,
-                shift: int, group, sequence_parallel: bool, smoothing: float, z_loss: float,
-                memory_budget=None, main_grad: bool = False):
-    """The loss and per-token lse of checked arguments (``functional.linear_cross_entropy``)."""
-    strategy, chunk_bytes, size = choose_strategy(backend, e, c, bias, reduction,
-                                                  sequence_parallel, group, softcap, smoothing,
-                                                  memory_budget, main_grad)
-    o = _Opts(ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=shift,
-              group=group,
-              sequence_parallel=sequence_parallel and communication.world_size(group) > 1,
-              smoothing=smoothing, z_loss=z_loss, backend=backend,
-              strategy=strategy, chunk_bytes=chunk_bytes,
-              saved_cols=size if strategy == "saved" else None,
-              gif_rows=size if strategy == "grad_in_forward" else None,
-              seq_dim=0 if sequence_parallel else -2, main_grad=main_grad)
-    if backend is TorchBackend:  # plain PyTorch: Dynamo traces it into the graph
-        return _LinearCrossEntropy.apply(e, c, bias, targets, o)
-    return untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o)
+def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, tp_group,
+         sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
+         gradient_accumulation_fusion):
+    """``functional.linear_cross_entropy`` (see there): check, options, backend and strategy,
+    then the Function."""
+    contract.check(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
+                   sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
+                   gradient_accumulation_fusion)
+    ignore_index = int(ignore_index)
+    targets = checks.widened_target(targets, ignore_index, "targets")
+    if settings.flag(settings.CHECK_TARGETS, False):
+        vocab = c.shape[0] * communication.world_size(tp_group)
+        if compiling():  # the check reads the device: an op of the graph, run at run time
+            targets = compiled_checks.checked_targets(targets, vocab, ignore_index)
+        else:
+            checks.check_target_range(targets, vocab, ignore_index)
+    backend = backends.linear_backend(impl, e)
+    sequence_parallel = bool(sequence_parallel)
+    softcap = float(softcap) if softcap else None
+    smoothing = float(label_smoothing)
+    strategy = choose_strategy(backend, e, c, bias, reduction, sequence_parallel, tp_group,
+                               softcap, smoothing, memory_budget, gradient_accumulation_fusion)
+    o = LinearLossOptions(
+        ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=int(shift),
+        group=tp_group,
+        sequence_parallel=sequence_parallel and communication.world_size(tp_group) > 1,
+        smoothing=smoothing, z_loss=float(z_loss), backend=backend,
+        strategy=strategy.name, chunk_bytes=strategy.chunk_bytes,
+        saved_cols=strategy.size if strategy.name == "saved" else None,
+        gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
+        seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion)
+    if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
+        out, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o)
+    else:
+        out, lse = untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,29 @@
+"""The contract of ``linear_token_logprobs``: its arguments beyond those of ``token_logprobs``
+(``token_logprobs.contract``), which it shares."""
+
+from __future__ import annotations
+
+import math
+
+from ... import checks
+
+
+def check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
+          gradient_accumulation_fusion) -> None:
+    """Raises ``TypeError``/``ValueError`` naming the argument."""
+    checks.check_float("hidden", hidden)
+    checks.check_float("weight", weight)
+    checks.check_impl(impl)
+    if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden (..., H) and weight (V_local, H) disagree: {tuple(hidden.shape)}"
+                         f" and {tuple(weight.shape)}")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError("hidden, weight and bias must have one dtype")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias must be (V_local,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap}")
+    if not (math.isfinite(float(logit_scale)) and float(logit_scale) != 0):
+        raise ValueError(f"logit_scale must be a finite non-zero float, got {logit_scale}")
+    checks.check_memory_budget(memory_budget)
+    checks.check_main_grad(weight, gradient_accumulation_fusion, "weight")

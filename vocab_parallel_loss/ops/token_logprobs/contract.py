@@ -1,0 +1,98 @@
+"""The contract of ``token_logprobs`` (and of ``linear_token_logprobs``, which shares it): what
+the arguments may be, the options type its Functions and backends take, and the output type."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from ... import checks, communication
+
+
+class TokenLogprobs(NamedTuple):
+    """Per-token outputs, shaped like the targets: fp32 ``log_probs`` (float64 for float64
+    inputs), ``entropy`` (None unless asked for), int64 ``argmax`` (None unless asked for)."""
+
+    log_probs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    argmax: Optional[torch.Tensor]
+
+
+class LogprobOptions(NamedTuple):
+    """Everything one call decided before its Function runs."""
+
+    group: object
+    col_start: int  # global id of this rank's first column
+    valid: int  # columns of this rank that are vocabulary (the rest is padding)
+    ignore_index: int
+    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs)
+    scale: float
+    softcap: Optional[float]
+    rows: object  # the row backend (``backends.RowsBackend``)
+    width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
+
+
+def check(logits) -> None:
+    checks.check_float("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have a non-empty vocabulary dim, got {tuple(logits.shape)}")
+
+
+def flat_targets(target, lead, device) -> torch.Tensor:
+    """``target`` checked against the inputs' leading dims, flat, as int64."""
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
+        raise TypeError(f"target must be an integer tensor, got "
+                        f"{getattr(target, 'dtype', type(target))}")
+    if tuple(target.shape) != tuple(lead):
+        raise ValueError(f"target shape {tuple(target.shape)} does not match the leading dims "
+                         f"{tuple(lead)}")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device}, the inputs on {device}")
+    return target.reshape(-1).to(torch.int64)  # any integer dtype compares exactly as int64
+
+
+def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
+            device) -> LogprobOptions:
+    """The options of this rank's ``v_local`` columns; ``vocab_range`` checked (and, when given,
+    the global vocabulary gathered from every rank's range)."""
+    if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
+        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    world = communication.world_size(group)
+    if vocab_range is None:  # equal shards, checked with the statistics' all-gather
+        start, valid, vocab = communication.rank(group) * v_local, v_local, world * v_local
+    else:
+        start, stop = (int(x) for x in vocab_range)
+        if not 0 <= start <= stop <= start + v_local:
+            raise ValueError(f"vocab_range must be (start, stop) with 0 <= start <= stop <= start"
+                             f" + V_local ({v_local}), got {tuple(vocab_range)}")
+        start, valid = start, stop - start
+        vocab = communication.vocab_size_of_ranges(start, stop, group, device)
+    return LogprobOptions(group, start, valid, int(ignore_index), vocab, scale, softcap, rows,
+                          0 if vocab_range is not None else v_local)
+
+
+def inverse_temperature(temperature, target, like) -> torch.Tensor:
+    """``1 / temperature`` on ``like``'s device: one element, or one per token."""
+    dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+    if isinstance(temperature, torch.Tensor):
+        if temperature.requires_grad and torch.is_grad_enabled():
+            raise ValueError("temperature is not differentiated: pass it detached")
+        if not temperature.is_floating_point():
+            raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
+        if temperature.numel() == 1 and temperature.dim() == 0:
+            return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(1)
+        if tuple(temperature.shape) != tuple(target.shape):
+            raise ValueError(f"a temperature tensor must have the target's shape "
+                             f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
+        return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(-1).contiguous()
+    value = float(temperature)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device)
+
+
+def shaped(lp, ent, col, shape, return_entropy, return_argmax) -> TokenLogprobs:
+    return TokenLogprobs(lp.view(shape), ent.view(shape) if return_entropy else None,
+                         col.view(shape) if return_argmax else None)
