@@ -1,8 +1,10 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the README's recipes, on CPU (TP=2, gloo).
 
 The source snapshots of Megatron-LM (``megatron-lm-*.tar.xz``: core_v0.17.1, and main with
-megatron-core 0.20) are read from ``$VPL_MEGATRON_LM_CLIENTS`` or a ``shared/clients`` folder
-next to or above the checkout; without them these tests skip. Each snapshot is unpacked once
+megatron-core 0.20) are read from the folder ``$VPL_MEGATRON_LM_CLIENTS`` names, or, with the
+variable unset, from ``../shared/clients`` relative to the repository root (where CI puts
+them), else a ``shared/clients`` folder in or above the checkout; without one these tests
+skip. A folder or snapshot missing where the variable points fails them. Each snapshot is unpacked once
 and put first on PYTHONPATH (its megatron-core shadows the installed one: checked); one
 ``torchrun`` of ``_megatron_lm_driver.py`` per snapshot runs every scenario: the recipe written
 into the snapshot's ``pretrain_gpt.py`` (tools/megatron_lm_recipes.py), Megatron-LM's argument
@@ -56,17 +58,24 @@ if not hasattr(typing, "override"):  # Python < 3.12: Megatron-LM main imports t
 
 
 def clients_dir():
+    """(folder of the snapshots or None, whether the user named it through the variable)."""
     env = os.environ.get("VPL_MEGATRON_LM_CLIENTS")
-    candidates = [Path(env)] if env else [p / "shared" / "clients" for p in (REPO, *REPO.parents)]
-    return next((p for p in candidates if p.is_dir()), None)
+    if env:
+        return Path(env), True
+    candidates = [REPO.parent / "shared" / "clients", REPO / "shared" / "clients",
+                  *(p / "shared" / "clients" for p in REPO.parents[1:])]
+    return next((p for p in candidates if p.is_dir()), None), False
 
 
 @pytest.fixture(scope="module")
 def megatron_lm(tmp_path_factory):
     """Run every scenario of every snapshot once; {generation: {scenario: result}}."""
-    clients = clients_dir()
+    clients, named = clients_dir()
+    if named and not clients.is_dir():
+        pytest.fail(f"VPL_MEGATRON_LM_CLIENTS={clients} is not a folder")
     if clients is None:
-        pytest.skip("no Megatron-LM source snapshots (set VPL_MEGATRON_LM_CLIENTS)")
+        pytest.skip("no Megatron-LM source snapshots: set VPL_MEGATRON_LM_CLIENTS to the folder of "
+                    "megatron-lm-*.tar.xz, or put them in ../shared/clients")
     root = tmp_path_factory.mktemp("megatron_lm")
     (root / "site").mkdir()
     (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -74,6 +83,8 @@ def megatron_lm(tmp_path_factory):
     for gen, (pattern, version, scenarios) in SNAPSHOTS.items():
         tarball = next(iter(sorted(clients.glob(pattern))), None)
         if tarball is None:
+            if named:
+                pytest.fail(f"{pattern} not in VPL_MEGATRON_LM_CLIENTS={clients}")
             results[gen] = {"skip": f"{pattern} not in {clients}"}
             continue
         with tarfile.open(tarball) as tar:
