@@ -9,8 +9,10 @@ run the files this writes. Recipes (``RECIPES``), by the ``pretrain_gpt.py`` gen
 
 * ``native``: the file as shipped (megatron-core's loss; ``--cross-entropy-loss-fusion`` for its
   fused one).
-* ``provider`` (``pretrain(..., extra_args_provider=...)``, Megatron-LM <= 0.17): the flags through
-  ``with_vocab_parallel_loss_args``, the model provider wrapped with ``wrap_model_provider``.
+* ``provider`` (Megatron-LM <= 0.17, ``pretrain(..., extra_args_provider=...)``; and 0.18, where
+  ``parse_and_validate_args`` takes the flags and ``pretrain`` the model provider as its third
+  positional argument): the flags through ``with_vocab_parallel_loss_args``, the model provider
+  wrapped with ``wrap_model_provider`` where it stands.
 * ``container_provider`` (``parse_and_validate_args`` + config container, the 0.18 layout, written
   on a 0.19+ file): the flags; the container built without the model config, so ``pretrain``
   calls the wrapped model provider it is given.
@@ -78,6 +80,8 @@ def apply(text: str, recipe: str) -> str:
         return text
     gen = generation(text)
     wants = {"provider": "pretrain_args", "flags_only": gen}.get(recipe, "config_container")
+    if recipe == "provider" and gen == "config_container" and PROVIDER in _main_block(text):
+        wants = gen  # 0.18: pretrain(full_config, datasets provider, partial(model_provider, ...), ...)
     if gen != wants:
         raise RecipeError(f"recipe {recipe!r} is written for a {wants} pretrain_gpt.py, this one is {gen}")
     head, main = text[: len(text) - len(_main_block(text))], _main_block(text)

@@ -72,9 +72,10 @@ def stand_in_pretrain(*args, **kwargs):
                             args_defaults=kwargs.get("args_defaults", {}), allow_no_cuda=True,
                             skip_mpu_initialization=True)
         provider, model_type, forward_step, container = args[1], args[2], args[3], None
-    else:  # 0.18+: pretrain(config container, datasets provider, model type, forward_step, ...)
-        container, model_type, forward_step = args[0], args[2], args[3]
-        provider = kwargs.get("model_provider")
+    else:  # 0.18+: pretrain(config container, datasets provider, [0.18: model provider,] model type, ...)
+        bound = inspect.signature(training.pretrain).bind(*args, **kwargs).arguments
+        container, model_type, forward_step = bound["cfg_container"], bound["model_type"], bound["forward_step_func"]
+        provider = bound.get("model_provider")
     from megatron.training import get_args
 
     mpu.initialize_model_parallel(tensor_model_parallel_size=get_args().tensor_model_parallel_size)

@@ -1,8 +1,10 @@
 """Megatron-LM's own ``pretrain_gpt.py`` with the README's recipes, on CPU (TP=2, gloo).
 
 The source snapshots of Megatron-LM (``megatron-lm-*.tar.xz``: core_v0.17.1, and main with
-megatron-core 0.20) are read from ``$VPL_MEGATRON_LM_CLIENTS`` or a ``shared/clients`` folder
-next to or above the checkout; without them these tests skip. Each snapshot is unpacked once
+megatron-core 0.20) are read from the folder ``$VPL_MEGATRON_LM_CLIENTS`` names, or, with the
+variable unset, from ``../shared/clients`` relative to the repository root (where CI puts
+them), else a ``shared/clients`` folder in or above the checkout; without one these tests
+skip. A folder or snapshot missing where the variable points fails them. Each snapshot is unpacked once
 and put first on PYTHONPATH (its megatron-core shadows the installed one: checked); one
 ``torchrun`` of ``_megatron_lm_driver.py`` per snapshot runs every scenario: the recipe written
 into the snapshot's ``pretrain_gpt.py`` (tools/megatron_lm_recipes.py), Megatron-LM's argument
@@ -26,6 +28,9 @@ pytest.importorskip("megatron.core")
 REPO = Path(__file__).resolve().parents[2]
 DRIVER = Path(__file__).resolve().parent / "_megatron_lm_driver.py"
 MTP = ["--position-embedding-type", "rope"]  # Megatron-LM refuses MTP with learned positions
+# generation: (tarball pattern, megatron-core version prefix, scenarios[, optional]). The optional
+# snapshots (tarballs of a Megatron-LM checkout at core_v0.18.* / core_v0.19.*, same layout as the
+# others) are run when present and skipped when absent, also from a folder named by the variable.
 SNAPSHOTS = {
     "0.17": ("megatron-lm-core_v0.17.1.tar.xz", "0.17.1", [
         ("provider", "provider", ["--vocab-parallel-loss"]),
@@ -33,6 +38,20 @@ SNAPSHOTS = {
                                             "--mtp-num-layers", "2", "--calculate-per-token-loss", *MTP]),
         ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
     ]),
+    "0.18": ("megatron-lm-core_v0.18*.tar.xz", "0.18.", [
+        ("provider", "provider", ["--vocab-parallel-loss"]),
+        ("provider_fused_mtp", "provider", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear",
+                                            "--mtp-num-layers", "2", "--calculate-per-token-loss", *MTP]),
+        ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
+    ], "optional"),
+    "0.19": ("megatron-lm-core_v0.19*.tar.xz", "0.19.", [
+        ("pre_wrap_hook", "pre_wrap_hook", ["--vocab-parallel-loss"]),
+        ("pre_wrap_hook_fused_mtp", "pre_wrap_hook", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear",
+                                                      "--mtp-num-layers", "2", *MTP]),
+        ("output_processor_fused", "output_processor", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear"]),
+        ("ignored_provider", "ignored_provider", ["--vocab-parallel-loss"]),
+        ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
+    ], "optional"),
     "main": ("megatron-lm-main-*.tar.xz", "0.20.0", [
         ("pre_wrap_hook", "pre_wrap_hook", ["--vocab-parallel-loss"]),
         ("pre_wrap_hook_fused_mtp", "pre_wrap_hook", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear",
@@ -44,9 +63,9 @@ SNAPSHOTS = {
         ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
     ]),
 }
-WIRED = [(gen, name) for gen, (_, _, scenarios) in SNAPSHOTS.items() for name, recipe, _ in scenarios
+WIRED = [(gen, name) for gen, (_, _, scenarios, *_) in SNAPSHOTS.items() for name, recipe, _ in scenarios
          if recipe not in ("flags_only", "ignored_provider")]
-NOT_WIRED = [(gen, name) for gen, (_, _, scenarios) in SNAPSHOTS.items() for name, recipe, _ in scenarios
+NOT_WIRED = [(gen, name) for gen, (_, _, scenarios, *_) in SNAPSHOTS.items() for name, recipe, _ in scenarios
              if recipe in ("flags_only", "ignored_provider")]
 SITECUSTOMIZE = """import typing
 if not hasattr(typing, "override"):  # Python < 3.12: Megatron-LM main imports typing.override
@@ -56,24 +75,33 @@ if not hasattr(typing, "override"):  # Python < 3.12: Megatron-LM main imports t
 
 
 def clients_dir():
+    """(folder of the snapshots or None, whether the user named it through the variable)."""
     env = os.environ.get("VPL_MEGATRON_LM_CLIENTS")
-    candidates = [Path(env)] if env else [p / "shared" / "clients" for p in (REPO, *REPO.parents)]
-    return next((p for p in candidates if p.is_dir()), None)
+    if env:
+        return Path(env), True
+    candidates = [REPO.parent / "shared" / "clients", REPO / "shared" / "clients",
+                  *(p / "shared" / "clients" for p in REPO.parents[1:])]
+    return next((p for p in candidates if p.is_dir()), None), False
 
 
 @pytest.fixture(scope="module")
 def megatron_lm(tmp_path_factory):
     """Run every scenario of every snapshot once; {generation: {scenario: result}}."""
-    clients = clients_dir()
+    clients, named = clients_dir()
+    if named and not clients.is_dir():
+        pytest.fail(f"VPL_MEGATRON_LM_CLIENTS={clients} is not a folder")
     if clients is None:
-        pytest.skip("no Megatron-LM source snapshots (set VPL_MEGATRON_LM_CLIENTS)")
+        pytest.skip("no Megatron-LM source snapshots: set VPL_MEGATRON_LM_CLIENTS to the folder of "
+                    "megatron-lm-*.tar.xz, or put them in ../shared/clients")
     root = tmp_path_factory.mktemp("megatron_lm")
     (root / "site").mkdir()
     (root / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     results = {}
-    for gen, (pattern, version, scenarios) in SNAPSHOTS.items():
+    for gen, (pattern, version, scenarios, *optional) in SNAPSHOTS.items():
         tarball = next(iter(sorted(clients.glob(pattern))), None)
         if tarball is None:
+            if named and not optional:
+                pytest.fail(f"{pattern} not in VPL_MEGATRON_LM_CLIENTS={clients}")
             results[gen] = {"skip": f"{pattern} not in {clients}"}
             continue
         with tarfile.open(tarball) as tar:
@@ -99,7 +127,7 @@ def _result(megatron_lm, gen, name):
         pytest.skip(runs["skip"])
     r = runs[name]
     assert r["ok"], r.get("error")
-    assert r["megatron_core"] == runs["version"], "the snapshot's megatron-core must shadow the installed one"
+    assert r["megatron_core"].startswith(runs["version"]), "the snapshot's megatron-core must shadow the installed one"
     return r
 
 
