@@ -13,16 +13,18 @@ Megatron-LM <= 0.17, ``pretrain(..., extra_args_provider=...)``::
              ...)
 
 Megatron-LM 0.18 (``parse_and_validate_args`` parses the flags; ``pretrain`` takes the config
-container and calls the model provider it is given)::
+container and calls the model provider given as its third positional argument: passing it as
+``model_provider=`` raises ``TypeError``)::
 
     args = parse_and_validate_args(
         extra_args_provider=with_vocab_parallel_loss_args(add_modelopt_args if has_nvidia_modelopt else None), ...)
-    pretrain(full_config, ..., model_provider=wrap_model_provider(partial(model_provider, gpt_builder)), ...)
+    pretrain(full_config, train_valid_test_datasets_provider,
+             wrap_model_provider(partial(model_provider, gpt_builder)), ...)
 
 Megatron-LM >= 0.19 and main (the model is built from a ``GPTModelConfig``; a model provider given
-to ``pretrain`` is not called), the same ``parse_and_validate_args`` line and::
+to ``pretrain`` is not called), the same ``parse_and_validate_args`` line and, after the whole
+ModelOpt ``if ...: model_cfg = ... else: model_cfg = gpt_config_from_args(args)`` block::
 
-    model_cfg = gpt_config_from_args(args)
     model_cfg.pre_wrap_hooks.append(attach_vocab_parallel_loss)
 
 or, keeping megatron-core's model class, ``output_processor=VocabParallelLossOutputProcessor()``
