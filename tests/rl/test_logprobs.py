@@ -295,6 +295,29 @@ def test_megatron_output_processor_passes_its_context(monkeypatch):
     assert out["log_probs"].shape == (2, 5) and torch.all(out["entropy"] == 2)
 
 
+@pytest.mark.parametrize("use_mup,want", [(True, 0.25), (False, 1.0)])
+def test_megatron_output_processor_applies_mup(use_mup, want, monkeypatch):
+    # megatron-core multiplies the logits by mup_output_mult under use_mup: the log-probs are of
+    # those logits, checked against the plain op on the scaled logits (one process: no TP group)
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from vocab_parallel_loss.verl import _megatron
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_group", lambda: None)
+
+    g = torch.Generator().manual_seed(5)
+    h, c = torch.randn(5, 2, 4, generator=g), torch.randn(7, 4, generator=g)
+    labels = torch.randint(0, 7, (2, 5), generator=g)
+    config = SimpleNamespace(use_mup=use_mup, mup_output_mult=0.25)
+    out = _megatron.output_processor(hidden_states=h, output_layer=SimpleNamespace(
+        weight=c, tp_group=None), labels=labels, config=config)
+    ref = token_logprobs((h @ c.t()) * want, labels.t(), return_entropy=True)
+    torch.testing.assert_close(out["log_probs"], ref.log_probs.t())
+    torch.testing.assert_close(out["entropy"], ref.entropy.t())
+
+
 @pytest.mark.parametrize("plan", ["saved", "split", "recompute", "torch"])
 def test_weight_gradient_added_into_main_grad(plan, monkeypatch):
     # gradient_accumulation_fusion: the weight's gradient (vocabulary padding: none) lands in

@@ -17,7 +17,8 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
     classifier is the output layer's weight shard (or the shared embedding weight that
     megatron-core passes as ``output_weight``). Under the config's
     ``gradient_accumulation_fusion``, with a ``main_grad`` on the weight (DDP's), the weight's
-    gradient is added into it, as the output layer would add it.
+    gradient is added into it, as the output layer would add it. Any scaling megatron-core
+    applies to the logits (MuP's ``mup_output_mult`` under ``use_mup``) applies here too.
     """
     if labels is None:
         raise ValueError("output_processor needs labels: the log-probs are of the label tokens")
@@ -29,6 +30,8 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
         from megatron.core import parallel_state  # noqa: PLC0415 - only with megatron-core
 
         group = parallel_state.get_tensor_model_parallel_group()
+    from ..megatron._compat import output_logit_scale  # noqa: PLC0415 - only with megatron-core
+
     sp = bool(getattr(config, "sequence_parallel", False))
     temperature = ctx.get("temperature", 1.0)
     if hasattr(temperature, "dim") and temperature.dim() == 2:
@@ -37,6 +40,7 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
                                 sequence_parallel=sp, temperature=temperature,
                                 ignore_index=ctx.get("ignore_index", -100), return_entropy=True,
                                 memory_budget=ctx.get("memory_budget"),
+                                logit_scale=output_logit_scale(config),
                                 gradient_accumulation_fusion=accumulates_into_main_grad(
                                     config, weight))
     return {"log_probs": out.log_probs.t(), "entropy": out.entropy.t()}
