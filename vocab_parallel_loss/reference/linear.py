@@ -204,7 +204,8 @@ class TorchBackend:
             dz = (gp + gx * d).mul_(torch.exp(d)).sub_(gc)
             del x, d
             idx, inr = cls._local_targets(targets, v_offset + c0, c1 - c0)
-            dz.scatter_add_(1, idx[:, None], torch.where(inr, -gt[:, 0], torch.zeros_like(gt[:, 0]))[:, None])
+            gt_in = torch.where(inr, -gt[:, 0], torch.zeros_like(gt[:, 0]))
+            dz.scatter_add_(1, idx[:, None], gt_in[:, None])
             dz.mul_(slope)
             del slope
             if need_de:
