@@ -62,12 +62,16 @@ class LinearBackend(Protocol):
 
     NAME: str
     TRACEABLE: bool  #: torch.compile traces it (else it runs as a graph break)
-    #: the ways to form the gradients it runs (``ops.fused_linear.strategy``)
+    #: the ways to form the gradients it runs (``ops.fused_linear.strategy``); with "saved" it
+    #: also has ``default_config``, ``saved_tiles``, ``SavedTiles`` and ``backward_saved``
     STRATEGIES: Tuple[str, ...]
 
-    def forward_stats(self, e, c, bias, targets, v_offset, softcap, need_sumx, **kw): ...
+    #: ``logprob`` (``formulas.LogprobArgs``): the log-prob mode, ``(5, N)`` statistics and
+    #: ``(6, N)`` coefficients (``ops/linear_token_logprobs``)
+    def forward_stats(self, e, c, bias, targets, v_offset, softcap, need_sumx, logprob=None,
+                      **kw): ...
     def backward(self, e, c, bias, targets, v_offset, coef, softcap, need_de, need_dc,
-                 need_db, **kw): ...
+                 need_db, de_acc=None, dc_out=None, dc_acc=None, logprob=None, **kw): ...
 
 
 def triton_runs(t: torch.Tensor) -> bool:

@@ -21,6 +21,8 @@ backends and the host-side merges. Arithmetic is fp32, or fp64 for float64 input
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 
@@ -89,6 +91,18 @@ def token_loss(target, m, s, x_t, d, vocab_size: int, ignore_index: int, smoothi
     loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
     loss = torch.where(ignored, torch.zeros_like(loss), loss)
     return loss, lse, ignored, bad
+
+
+class LogprobArgs(NamedTuple):
+    """The log-prob mode of the fused linear backends (``kernels.linear``,
+    ``reference.linear.TorchBackend``): the logits are ``x = cap(scale * z) * inv_t`` with
+    ``inv_t`` of one element or one per row (``1 / T``; fp32, or fp64 for float64 inputs), and
+    the forward gives the five log-prob statistics (``merge_logprob_stats``), the argmax column
+    among them when ``need_argmax``."""
+
+    inv_t: torch.Tensor
+    scale: float
+    need_argmax: bool = False
 
 
 def merge_logprob_stats(parts: torch.Tensor):

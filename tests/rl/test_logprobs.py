@@ -73,9 +73,10 @@ def test_vocab_range_pads_and_out_of_range_is_nan(impl):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("softcap,scale,bias", [(None, 1.0, False), (5.0, 0.5, True)])
 def test_from_hidden_matches_oracle(impl, dtype, softcap, scale, bias, monkeypatch):
-    from vocab_parallel_loss.ops.token_logprobs import function as autograd_logprobs
+    from vocab_parallel_loss.reference import linear as torch_linear
 
-    monkeypatch.setattr(autograd_logprobs, "CHUNK_BYTES", 7 * 4 * 256)  # several column chunks
+    # several column chunks on the PyTorch backend
+    monkeypatch.setattr(torch_linear, "LOGPROB_CHUNK_BYTES", 7 * 4 * 256)
     g = torch.Generator().manual_seed(3)
     e = torch.randn(2, 7, 16, generator=g, dtype=dtype, requires_grad=True)
     c = (torch.randn(600, 16, generator=g, dtype=dtype) * 0.5).requires_grad_()
@@ -380,3 +381,44 @@ def test_megatron_output_processor_fuses_gradient_accumulation(monkeypatch):
         _megatron.output_processor(config=SimpleNamespace(gradient_accumulation_fusion=fusion),
                                    **call)
         assert seen["gradient_accumulation_fusion"] is want, (fusion, has_home)
+
+
+@pytest.mark.parametrize("softcap,per_row_t", [(None, False), (5.0, True)])
+def test_linear_backends_share_the_logprob_contract(softcap, per_row_t, monkeypatch):
+    # the log-prob mode of both linear backends, called directly: the same (5, N) statistics
+    # (over several of the PyTorch backend's column chunks) and the same gradients from one
+    # 6-row coef, with de_acc, dc_out and dc_acc
+    K = _kernels_or_skip()
+    from vocab_parallel_loss.formulas import LogprobArgs
+    from vocab_parallel_loss.kernels.linear import config as KC
+    from vocab_parallel_loss.reference import linear as torch_linear
+
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    monkeypatch.setattr(torch_linear, "LOGPROB_CHUNK_BYTES", 1)  # 256-column chunks
+    T = torch_linear.TorchBackend
+    g = torch.Generator().manual_seed(12)
+    n, h, v, v_offset = 10, 8, 300, 40
+    e, c = torch.randn(n, h, generator=g), torch.randn(v, h, generator=g) * 0.5
+    b = torch.randn(v, generator=g) * 0.1
+    t = torch.randint(0, 400, (n,), generator=g)
+    inv_t = torch.rand(n, generator=g) + 0.5 if per_row_t else torch.tensor([1.25])
+    lp = LogprobArgs(inv_t, 0.75, True)
+    want = K.forward_stats(e, c, b, t, v_offset, softcap, False, logprob=lp)
+    got = T.forward_stats(e, c, b, t, v_offset, softcap, False, logprob=lp)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    coef = torch.randn(6, n, generator=g)
+    coef[0] = want[0] + torch.log(want[1])  # the lse of these columns
+    coef[3] = 0.0
+    for kw in ({}, {"de_acc": torch.ones(n, h)},
+               {"dc_out": torch.empty(v, h)}, {"dc_acc": torch.ones(v, h)}):
+        outs = []
+        for B in (K, T):
+            kw_b = {k: x.clone() for k, x in kw.items()}
+            de, dc, db = B.backward(e, c, b, t, v_offset, coef, softcap, True, True, True,
+                                    logprob=lp, **kw_b)
+            outs.append((de, kw_b["dc_acc"] if "dc_acc" in kw else dc, db))
+            assert ("dc_acc" in kw) == (dc is None)
+            if "dc_out" in kw:
+                assert dc is not None and dc.data_ptr() == kw_b["dc_out"].data_ptr()
+        for w, a in zip(*outs):
+            torch.testing.assert_close(a, w, atol=1e-4, rtol=1e-4)

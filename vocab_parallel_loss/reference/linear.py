@@ -1,18 +1,25 @@
-"""Pure-PyTorch backend of the fused linear cross entropy: chunked over row blocks, fp32 (fp64
-for float64 inputs).
+"""Pure-PyTorch backend of the fused linear engine: the loss's statistics and gradients chunked
+over row blocks, the log-prob mode's over column chunks; fp32 (fp64 for float64 inputs).
 
-Same contract as the Triton backend (``kernels.linear.forward_stats`` / ``backward``); the
-fallback without Triton or a GPU, and the backend for float64 inputs.
+Same contract as the Triton backend (``kernels.linear.forward_stats`` / ``backward``, with
+``logprob=LogprobArgs`` the log-prob mode); the fallback without Triton or a GPU, and the
+backend for float64 inputs.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..formulas import compute_dtype
+from ..formulas import LogprobArgs, compute_dtype, merge_logprob_stats
+from ..layout import RowView
+from . import logprobs as rows
 
 #: Bytes of fp32 logits the ``"torch"`` implementation keeps alive at once (one row chunk).
 TORCH_CHUNK_BYTES = 64 * 1024 * 1024
+
+#: Bytes of one fp32 column chunk of logits in the log-prob mode (fp64 for float64 inputs):
+#: 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
+LOGPROB_CHUNK_BYTES = 128 * 1024 * 1024
 
 
 class TorchBackend:
@@ -20,9 +27,9 @@ class TorchBackend:
 
     Works on any device; computes in fp32, or fp64 for float64 inputs (a copy of ``c`` in that
     dtype when it is not already), and keeps at most one ``(rows, V_local)`` chunk of logits
-    alive. ``dC`` accumulates in an
-    fp32 ``(V_local, H)`` buffer (this fallback trades memory for simplicity; the Triton path
-    does not need that buffer).
+    alive. The loss's ``dC`` accumulates in an fp32 ``(V_local, H)`` buffer (this fallback
+    trades memory for simplicity; the Triton path does not need that buffer); the log-prob
+    mode forms each column chunk's ``dC`` rows at once.
     """
 
     #: Backend capabilities (``backends.LinearBackend``)
@@ -50,8 +57,19 @@ class TorchBackend:
         inr = (tl >= 0) & (tl < v)
         return tl.clamp(0, v - 1), inr
 
+    @staticmethod
+    def _cols(n: int, v: int, acc) -> int:
+        """Columns of one log-prob chunk: a multiple of 256 of ``LOGPROB_CHUNK_BYTES``."""
+        size = torch.finfo(acc).bits // 8
+        return min(v, max(256, (LOGPROB_CHUNK_BYTES // max(1, n * size)) // 256 * 256))
+
     @classmethod
-    def forward_stats(cls, e, c, bias, targets, v_offset, softcap, need_sumx):
+    def forward_stats(cls, e, c, bias, targets, v_offset, softcap, need_sumx,
+                      logprob: LogprobArgs = None):
+        """``(4, N)`` statistics of the loss; with ``logprob`` the ``(5, N)`` log-prob
+        statistics (``need_sumx`` ignored)."""
+        if logprob is not None:
+            return cls._logprob_stats(e, c, bias, targets, v_offset, softcap, logprob)
         n, v = e.shape[0], c.shape[0]
         acc = compute_dtype(e.dtype)
         stats = torch.empty((4, n), dtype=acc, device=e.device)
@@ -73,16 +91,24 @@ class TorchBackend:
 
     @classmethod
     def backward(cls, e, c, bias, targets, v_offset, coef, softcap, need_de, need_dc,
-                 need_dbias, dc_acc=None):
-        """``(dE, dC in c.dtype, dbias)``; with ``dc_acc`` dC is added into it instead (rounded
+                 need_dbias, de_acc=None, dc_out=None, dc_acc=None,
+                 logprob: LogprobArgs = None):
+        """``(dE, dC in c.dtype, dbias)``, dE and dbias in the accumulation dtype. ``coef``:
+        ``(4, N)`` rows lse, gp, gt, gc of the loss, or with ``logprob`` ``(6, N)`` (its sixth
+        row ``gx`` weighs ``softmax_j (x_j - lse)``, the fifth is unused). ``de_acc``: a dE to
+        add to; ``dc_out``: where dC goes; with ``dc_acc`` dC is added into it instead (rounded
         once there) and returned as None."""
+        if logprob is not None:
+            return cls._logprob_backward(e, c, bias, targets, v_offset, coef, softcap, need_de,
+                                         need_dc, need_dbias, de_acc, dc_out, dc_acc, logprob)
         n, h = e.shape
         v = c.shape[0]
         dev = e.device
         acc = compute_dtype(e.dtype)
         c32 = c.to(acc)
         b32 = bias.to(acc) if bias is not None else None
-        de = torch.zeros((n, h), dtype=acc, device=dev) if need_de else None
+        de = (de_acc if de_acc is not None
+              else torch.zeros((n, h), dtype=acc, device=dev)) if need_de else None
         dc32 = torch.zeros((v, h), dtype=acc, device=dev) if need_dc else None
         db = torch.zeros((v,), dtype=acc, device=dev) if need_dbias else None
         step = cls._rows(n, v)
@@ -97,7 +123,9 @@ class TorchBackend:
             if th is not None:
                 dx = dx * (1.0 - th * th)
                 del th
-            if need_de:
+            if need_de and de_acc is not None:
+                de[r0:r1].addmm_(dx, c32)
+            elif need_de:
                 de[r0:r1] = dx @ c32
             if need_dc:
                 dc32.addmm_(dx.t(), e[r0:r1].to(acc))
@@ -107,5 +135,86 @@ class TorchBackend:
         if need_dc and dc_acc is not None:
             dc_acc.add_(dc32)
             return de, None, db
-        dc = dc32.to(c.dtype) if need_dc else None
+        dc = None
+        if need_dc and dc_out is not None:
+            dc = dc_out.copy_(dc32)
+        elif need_dc:
+            dc = dc32.to(c.dtype)
+        return de, dc, db
+
+    @classmethod
+    def _logprob_stats(cls, e, c, bias, targets, v_offset, softcap, lp: LogprobArgs):
+        """The ``(5, N)`` log-prob statistics (``reference.logprobs.stats``), one column chunk
+        of logits alive at a time, merged in column order."""
+        n, v = e.shape[0], c.shape[0]
+        acc = compute_dtype(e.dtype)
+        if n == 0 or v == 0:  # no rows, or no columns: the merge's neutral element
+            stats = torch.zeros((5, n), dtype=acc, device=e.device)
+            stats[0] = float("-inf")
+            return stats
+        step = cls._cols(n, v, acc)
+        parts = torch.empty((-(-v // step), 5, n), dtype=acc, device=e.device)
+        ea = e.to(acc)
+        for k, c0 in enumerate(range(0, v, step)):
+            c1 = min(v, c0 + step)
+            z = cls._chunk_logits(ea, c[c0:c1], None if bias is None else bias[c0:c1])
+            rows.stats(RowView(z, n, 0, z.stride(0)), targets, lp.inv_t, v_offset + c0, c1 - c0,
+                       lp.scale, softcap, parts[k])
+            del z
+        return torch.stack(merge_logprob_stats(parts))
+
+    @staticmethod
+    def _chunk_logits(ea, c_chunk, b_chunk):
+        z = ea @ c_chunk.to(ea.dtype).t()
+        return z if b_chunk is None else z.add_(b_chunk.to(ea.dtype))
+
+    @classmethod
+    def _logprob_backward(cls, e, c, bias, targets, v_offset, coef, softcap, need_de, need_dc,
+                          need_dbias, de_acc, dc_out, dc_acc, lp: LogprobArgs):
+        """The log-prob mode's gradients by column chunks: per chunk the logits recomputed,
+        ``dx_j = (gp + gx (x_j - lse)) p_j - gc - gt [j == t]`` times ``dx/dz`` (softcap, logit
+        scale, ``inv_t``), then ``dE += dz C_chunk`` and the chunk's dC rows ``dz.T E`` (each
+        rounded once, or added into ``dc_acc``)."""
+        n, h = e.shape
+        v = c.shape[0]
+        dev = e.device
+        acc = compute_dtype(e.dtype)
+        de = (de_acc if de_acc is not None
+              else torch.zeros((n, h), dtype=acc, device=dev)) if need_de else None
+        dc = ((dc_out if dc_out is not None
+               else torch.empty_like(c, memory_format=torch.contiguous_format))
+              if need_dc and dc_acc is None else None)
+        db = torch.zeros((v,), dtype=acc, device=dev) if need_dbias else None
+        if n == 0 or not (need_de or need_dc or need_dbias):
+            if dc is not None:
+                dc.zero_()
+            return de, dc, db
+        lse, gp, gt, gc, _, gx = (r[:, None] for r in coef.to(acc))
+        inv_t = lp.inv_t.to(acc)
+        inv_t = inv_t[:, None] if inv_t.numel() > 1 else inv_t
+        ea = e.to(acc)
+        step = cls._cols(n, v, acc)
+        for c0 in range(0, v, step):
+            c1 = min(v, c0 + step)
+            ck = c[c0:c1].to(acc)
+            z = cls._chunk_logits(ea, ck, None if bias is None else bias[c0:c1])
+            x, slope = rows.transform(z, inv_t, lp.scale, softcap)
+            del z
+            d = x.sub_(lse)
+            dz = (gp + gx * d).mul_(torch.exp(d)).sub_(gc)
+            del x, d
+            idx, inr = cls._local_targets(targets, v_offset + c0, c1 - c0)
+            gt_in = torch.where(inr, -gt[:, 0], torch.zeros_like(gt[:, 0]))
+            dz.scatter_add_(1, idx[:, None], gt_in[:, None])
+            dz.mul_(slope)
+            del slope
+            if need_de:
+                de.addmm_(dz, ck)
+            if need_dc and dc_acc is not None:
+                dc_acc[c0:c1].add_(dz.t() @ ea)  # fp32 product, rounded once into dc_acc
+            elif need_dc:
+                dc[c0:c1] = dz.t() @ ea  # each dC row once, rounded once
+            if need_dbias:
+                db[c0:c1] = dz.sum(dim=0)
+            del dz
         return de, dc, db

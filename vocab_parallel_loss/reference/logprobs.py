@@ -14,7 +14,8 @@ NAME = "torch"
 TRACEABLE = True
 
 
-def _transform(z, inv_t, scale, softcap):
+def transform(z, inv_t, scale, softcap):
+    """``(x, dx/dz)``: the logits ``x = cap(scale z) * inv_t`` and their slope."""
     y = z * scale
     if softcap is not None:
         th = torch.tanh(y / softcap)
@@ -32,7 +33,7 @@ def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap
     for lo, hi, block in row_blocks(view):
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         z = block.reshape(-1, block.shape[-1])[:, :valid].to(dtype)
-        x, _ = _transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
+        x, _ = transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
         m = x.amax(dim=1)
         m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
         d = x - m_safe[:, None]
@@ -56,7 +57,7 @@ def backward(view, dview, target, inv_t, lse, ent, g_lp, g_ent, col_start: int, 
         dblock = next(dblocks)[2]
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         z = block.reshape(-1, block.shape[-1]).to(dtype)
-        x, chain = _transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
+        x, chain = transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
         d = x - lse[lo:hi, None].to(dtype)
         p = torch.exp(d)
         glp, gent = g_lp[lo:hi, None].to(dtype), g_ent[lo:hi, None].to(dtype)

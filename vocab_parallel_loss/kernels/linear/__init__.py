@@ -14,7 +14,7 @@ functions; the files hold one idea each:
                them into dlogits in place and runs two GEMMs, 6NHV; the same tiles a row
                chunk at a time give scalar losses their gradients in forward
 ``common.py``  helpers the kernel files share, and ``LogprobArgs``: every kernel above also runs
-               in a log-prob mode (``autograd/linear_logprobs.py``)
+               in a log-prob mode (``ops/linear_token_logprobs``)
 
 To override the tile configuration, set ``config.OVERRIDE_CONFIG`` (``default_config`` reads it
 there) or ``VPL_LCE_CONFIG``.

@@ -1,26 +1,15 @@
 """Helpers the kernel files of the fused linear loss share: operand handling for ``tl.dot``
 under the interpreter, the dot precision per dtype, the tile-size check, a portable tanh, and
-the arguments of the kernels' log-prob mode."""
+the arguments of the kernels' log-prob mode (``formulas.LogprobArgs``)."""
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ... import settings
-
-
-class LogprobArgs(NamedTuple):
-    """The kernels' log-prob mode (``autograd/linear_logprobs.py``): the logits are
-    ``x = cap(scale * z) * inv_t`` with ``inv_t`` fp32 of one element or one per row (``1 / T``),
-    and the forward gives the log-prob statistics (with the argmax column when asked)."""
-
-    inv_t: torch.Tensor
-    scale: float
-    need_argmax: bool = False
+from ...formulas import LogprobArgs  # noqa: F401  (the kernels' log-prob mode)
 
 
 def upcast(dtype: torch.dtype) -> bool:

@@ -33,7 +33,7 @@ overlap a tile's epilogue (``fwd_flat``); the forward that saves its tiles for b
 (``saved.py``) then stores them through a descriptor as well (asynchronous, clipped at the
 ends by the copy engine: 2% faster than stores from registers at N=16384, H=4096).
 
-Log-prob mode (``logprob=LogprobArgs``, the ``LOGPROB`` constexpr; ``autograd/linear_logprobs.py``):
+Log-prob mode (``logprob=LogprobArgs``, the ``LOGPROB`` constexpr; ``ops/linear_token_logprobs``):
 the logits are ``cap(scale z) / T`` with one ``1 / T`` per row; the forward folds each tile into
 the five log-prob statistics (``_fold_logprob_tile``: ``(SPLIT, 5, N)``, merged by
 ``formulas.merge_logprob_stats``) and the dlogits kernel adds ``gx * softmax * (x - lse)`` (the

@@ -3,8 +3,9 @@
 Strategies, fastest first (docs/design.md, section 7): the forward saves every logits tile
 (6NHV); the gradients are formed in forward (scalar losses without TP, 6NHV); the first columns
 saved and the rest recomputed; everything recomputed in column chunks (8NHV), the chunks
-narrowed when the budget is smaller than one. The loss (``linear.py``) and the token log-probs
-(``linear_logprobs.py``) share the choice.
+narrowed when the budget is smaller than one. The loss (``ops/linear_cross_entropy``) and the
+token log-probs (``ops/linear_token_logprobs``) share the choice, and the column passes that run
+it (``columns.py``).
 """
 
 from __future__ import annotations

@@ -27,10 +27,11 @@ from __future__ import annotations
 import torch
 
 from ... import backends, checks, communication, settings
-from ...formulas import merge_partial_stats, merge_stats, relative_sums, token_loss
+from ...formulas import merge_stats, relative_sums, token_loss
 from ...reference.linear import TorchBackend
 from ...runtime import compiling, untraced
 from ..fused_linear import compiled_checks
+from ..fused_linear.columns import backward_columns, forward_columns
 from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
 from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
 from ..fused_linear.strategy import choose_strategy, gif_round_dc_first
@@ -128,12 +129,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             row_stats, kept, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
                                                             v_offset, shapes)
         else:
+            saved_cols = None
             if o.strategy == "saved":
-                stats, saved = _forward_saving(e2, c, bias, t2, v_offset, o)
+                saved_cols = v_local if o.saved_cols is None else o.saved_cols
+            stats, saved = forward_columns(o.backend, e2, c, bias, t2, v_offset, o.softcap,
+                                           o.smoothing > 0, saved_cols)
+            if saved is not None:
                 ctx.tile_v = saved.block_v
-            else:
-                stats = o.backend.forward_stats(e2, c, bias, t2, v_offset, o.softcap,
-                                                o.smoothing > 0)
             row_stats, gathered = _merge(stats, v_local, o, shapes)
             if o.strategy == "saved":
                 kept = (saved.u, saved.tile_max, row_stats[2])
@@ -180,9 +182,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None,
                          x_t=x_t)
-            de32, dc, db = _backward_saved(o.backend.SavedTiles(u, tile_max, ctx.tile_v), e2,
-                                           c, bias, t2, v_offset, coef, o, need_de, need_dc,
-                                           need_db, home)
+            de32, dc, db = backward_columns(
+                o.backend, e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc,
+                need_db, saved=o.backend.SavedTiles(u, tile_max, ctx.tile_v),
+                de_final=communication.world_size(o.group) == 1, dc_acc=home)
         elif o.strategy == "grad_in_forward":
             consume(ctx, "the gradients formed in forward")
             formed, ctx.formed = ctx.formed, None
@@ -193,10 +196,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             e2, t2, _, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
-            cfg = o.backend.default_config(e.device) if o.chunk_bytes else None
-            de32, dc, db = o.backend.backward(
-                e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc, need_db,
-                dc_acc=home, **({"config": cfg.replace(chunk_bytes=o.chunk_bytes)} if cfg else {}))
+            de32, dc, db = backward_columns(o.backend, e2, c, bias, t2, v_offset, coef, o.softcap,
+                                            need_de, need_dc, need_db,
+                                            chunk_bytes=o.chunk_bytes, dc_acc=home)
         if home is not None:
             dc = main_grad_dummy(c)
         de = None
@@ -216,53 +218,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if db is not None:
             db = db.to(bias.dtype)
         return de, dc, db, None, None
-
-
-def _forward_saving(e2, c, bias, t2, v_offset: int, o: LinearLossOptions):
-    """Local statistics ``(4, N)`` of the saved-tiles strategy and the tiles it saves: all
-    columns, or the first ``o.saved_cols`` (the rest get statistics only, merged in)."""
-    K = o.backend
-    cfg = K.default_config(e2.device)
-    v = c.shape[0]
-    vs = v if o.saved_cols is None else o.saved_cols
-    saved = K.saved_tiles(e2.shape[0], vs, e2.dtype, e2.device, cfg)
-    stats = K.forward_stats(e2, c[:vs], None if bias is None else bias[:vs], t2, v_offset,
-                            o.softcap, o.smoothing > 0, config=cfg, saved=saved)
-    if vs < v:
-        rest = K.forward_stats(e2, c[vs:], None if bias is None else bias[vs:], t2,
-                               v_offset + vs, o.softcap, o.smoothing > 0, config=cfg)
-        stats = torch.stack(merge_partial_stats(torch.stack([stats, rest])))
-    return stats, saved
-
-
-def _backward_saved(saved, e2, c, bias, t2, v_offset: int, coef, o: LinearLossOptions, need_de: bool,
-                    need_dc: bool, need_db: bool, home=None):
-    """Gradients of the saved-tiles strategy: from the saved columns, then, when only the first
-    ones were saved, the rest recomputed into the same fp32 dE. Returns ``(dE, dC, dbias)``
-    with dE in the input dtype where it is final already (all columns saved, no TP); dC is
-    None when added into ``home`` (a ``main_grad``)."""
-    K = o.backend
-    cfg = K.default_config(e2.device)
-    v = c.shape[0]
-    vs = saved.u.shape[1]
-    whole = vs == v
-    # without TP and recomputed columns dE is final: round it once straight into the input dtype
-    de_dtype = (e2.dtype if whole and communication.world_size(o.group) == 1
-                else torch.float32)
-    dc = (torch.empty_like(c, memory_format=torch.contiguous_format)
-          if need_dc and home is None else None)
-    de, _, db = K.backward_saved(saved, e2, c[:vs], need_db, t2, v_offset, coef, o.softcap,
-                                 need_de, need_dc, de_dtype, cfg,
-                                 dc_out=None if dc is None else dc[:vs],
-                                 dc_acc=None if home is None else home[:vs])
-    if whole:
-        return de, dc, db
-    _, _, db_rest = K.backward(
-        e2, c[vs:], None if bias is None else bias[vs:], t2, v_offset + vs, coef[:4],
-        o.softcap, need_de, need_dc, need_db,
-        config=cfg, de_acc=de,
-        dc_out=None if dc is None else dc[vs:], dc_acc=None if home is None else home[vs:])
-    return de, dc, None if db is None else torch.cat([db, db_rest])
 
 
 def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse,

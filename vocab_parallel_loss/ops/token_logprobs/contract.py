@@ -30,7 +30,7 @@ class LogprobOptions(NamedTuple):
     vocab_size: int  # global vocabulary (targets outside it give NaN log-probs)
     scale: float
     softcap: Optional[float]
-    rows: object  # the row backend (``backends.RowsBackend``)
+    rows: object  # the row backend (``backends.RowsBackend``); None from hidden states
     width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
 
 
