@@ -27,156 +27,22 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
-from _common import Device  # noqa: E402
+from harness import env, plots  # noqa: E402
+from harness.errors import linear_reference_loss, rel_max_diff  # noqa: E402
+from harness.peers.linear import GiB, PEER_NOTES, PEERS, known, make_ours, make_peer  # noqa: E402
+from harness.report import table, write_report  # noqa: E402
+from harness.timing import Device, interleaved  # noqa: E402
 
-common.use_checkout_package()
+env.use_checkout_package()
 
 from vocab_parallel_loss import linear_cross_entropy  # noqa: E402
 from vocab_parallel_loss.kernels import linear as K  # noqa: E402
 from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
 from vocab_parallel_loss.kernels.linear import gemm as G  # noqa: E402
 
-GiB = 2**30
 DEV: Device = None  # main(): the GPU, or the CPU with --smoke-cpu (plumbing under TRITON_INTERPRET=1)
-
-
-def _bench(fn, warmup, rep):
-    return DEV.bench(fn, warmup, rep)
-
-
-# ----------------------------------------------------------------------------------- peers
-
-
-def make_ours(impl="triton", memory_budget=None, main_grad=False):
-    """Ours; with ``main_grad`` the weight's gradient is added into an fp32 ``c.main_grad``
-    (megatron-core's gradient-accumulation fusion): only dE is returned, and that buffer, which
-    such a trainer holds anyway, counts as an input."""
-    def fn(e, c, t, red):
-        if main_grad and getattr(c, "main_grad", None) is None:
-            c.main_grad = torch.zeros(c.shape, dtype=torch.float32, device=c.device)
-            c.grad_added_to_main_grad = False
-        return linear_cross_entropy(e, c, t, reduction=red, impl=impl,
-                                    memory_budget=memory_budget,
-                                    gradient_accumulation_fusion=main_grad), \
-            (e,) if main_grad else (e, c)
-    return fn
-
-
-def make_ours_strategy(strategy):
-    """Ours forced to one strategy (``LCEConfig.strategy``): ``saved`` (6NHV, the logits tiles
-    held until backward), ``grad_in_forward`` (scalar losses; 6NHV, fp32 dC) or ``recompute``
-    (8NHV, memory independent of V)."""
-    def fn(e, c, t, red):
-        if strategy == "grad_in_forward" and red == "none":
-            raise ValueError("grad_in_forward applies to scalar losses only")
-        saved = C.OVERRIDE_CONFIG
-        C.OVERRIDE_CONFIG = C.default_config(e.device).replace(strategy=strategy)
-        try:
-            return linear_cross_entropy(e, c, t, reduction=red, impl="triton"), (e, c)
-        finally:
-            C.OVERRIDE_CONFIG = saved
-    return fn
-
-
-def make_torch():
-    def fn(e, c, t, red):
-        return F.cross_entropy((e @ c.t()).float(), t, reduction=red), (e, c)
-    return fn
-
-
-def make_cce():
-    from cut_cross_entropy import linear_cross_entropy as cce
-
-    def fn(e, c, t, red):
-        return cce(e, c, t, reduction=red), (e, c)
-    return fn
-
-
-def make_liger():
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    mods = {}
-
-    def fn(e, c, t, red):
-        if red not in mods:
-            mods[red] = LigerFusedLinearCrossEntropyLoss(reduction=red)
-        return mods[red](c, e, t), (e, c)
-    return fn
-
-
-PEER_NOTES = []  # what a peer needed to run here (printed with the table)
-
-
-def make_quack():
-    from quack.linear_cross_entropy import LinearCrossEntropy
-
-    mods = {}
-
-    def build(c, red, chunk):
-        m = LinearCrossEntropy(c.shape[1], c.shape[0], bias=False, reduction=red,
-                               chunk_size=chunk if red != "none" else None,
-                               device=c.device, dtype=c.dtype)
-        m.weight = torch.nn.Parameter(c.detach(), requires_grad=True)  # shares storage
-        return m
-
-    def fn(e, c, t, red):
-        key = (red, c.data_ptr())
-        if key not in mods:
-            m = build(c, red, 4096)
-            try:
-                m(e, t)
-            except ValueError as ex:
-                # quack 0.6.4 cannot tell a row vector from a column vector in its GEMM
-                # epilogue when the chunk's two sizes are equal (chunk 4096 at V=128256)
-                if "ambiguous" not in str(ex) or red == "none":
-                    raise
-                m = build(c, red, 8192)
-                PEER_NOTES.append(f"quack V={c.shape[0]} {red}: chunk_size 8192, not 4096 "
-                                  f"({str(ex)[:120]})")
-            mods[key] = m
-        m = mods[key]
-        return m(e, t), (e, m.weight)
-    return fn
-
-
-PEERS = {
-    "ours": make_ours,
-    "ours_saved": lambda: make_ours_strategy("saved"),
-    "ours_gif": lambda: make_ours_strategy("grad_in_forward"),
-    "ours_recompute": lambda: make_ours_strategy("recompute"),
-    "ours_torch_impl": lambda: make_ours("torch"),
-    "ours_main_grad": lambda: make_ours(main_grad=True),
-    "torch": make_torch,
-    "cce": make_cce,
-    "liger": make_liger,
-    "quack": make_quack,
-}
-
-
-def make_peer(name: str):
-    """``PEERS[name]``, or ``ours@G`` / ``ours_main_grad@G``: ours with ``memory_budget`` of G
-    GiB (a point of the time-memory front between the strategies)."""
-    base, _, budget = name.partition("@")
-    if budget and base in ("ours", "ours_main_grad"):
-        return make_ours(memory_budget=float(budget) * GiB, main_grad=base == "ours_main_grad")
-    return PEERS[name]()
-
-
-# ----------------------------------------------------------------------------------- helpers
-
-
-def reference_loss(e, c, t, chunk=2048):
-    """fp32 per-token loss from the materialized logits, in row chunks."""
-    out = torch.empty(t.shape[0], dtype=torch.float32, device=e.device)
-    cf = c.float()
-    for r in range(0, t.shape[0], chunk):
-        x = e[r:r + chunk].float() @ cf.t()
-        out[r:r + chunk] = F.cross_entropy(x, t[r:r + chunk], reduction="none")
-    return out
 
 
 def make_step(fn, e, c, t, red, up):
@@ -194,29 +60,13 @@ def measure(fn, e, c, t, red, up, warmup, rep):
     DEV.sync()
     # memory: second run, previous outputs freed; the gradients left behind are counted
     DEV.empty_cache()
-    base = DEV.reset_peak()
-    loss, grads = step()
-    peak = (DEV.peak() or 0) - base
+    (loss, grads), peak = DEV.peak_during(step)
+    peak = peak or 0
     grad_bytes = sum(g.numel() * g.element_size() for g in grads)
     loss_val = loss.detach().float().clone()
     del grads, loss
-    ms = _bench(lambda: step(), warmup, rep)
+    ms = DEV.bench(lambda: step(), warmup, rep)
     return ms, peak, grad_bytes, loss_val
-
-
-def interleaved(steps: dict, rounds: int) -> dict:
-    """Median ms of each step over ``rounds`` rounds that time every step once in turn (L2
-    flushed before each), so that a drift of the GPU's clocks over the run moves every
-    implementation alike instead of whichever ran last."""
-    times = {key: [] for key in steps}
-    for _ in range(rounds):
-        for key, step in steps.items():
-            DEV.flush_l2()
-            a = DEV.stamp()
-            step()
-            times[key].append((a, DEV.stamp()))
-        DEV.sync()
-    return {key: DEV.median_ms(pairs) for key, pairs in times.items()}
 
 
 def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
@@ -228,7 +78,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
         c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
         t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
         up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
-        ref = reference_loss(e.detach(), c.detach(), t)
+        ref = linear_reference_loss(e.detach(), c.detach(), t)
         for name in impls:
             try:
                 fn = make_peer(name)
@@ -265,7 +115,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
                     steps[(name, red)] = make_step(fn, e, c, t, red, up)
                     shape_rows[(name, red)] = row
         if rounds and steps:
-            for key, ms in interleaved(steps, rounds).items():
+            for key, ms in interleaved(DEV, steps, rounds).items():
                 row = shape_rows[key]
                 row["ms_alone"] = row["ms"]
                 row.update(ms=round(ms, 3), tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
@@ -321,31 +171,6 @@ def pareto(rows) -> dict:
                 best = r["ms"]
         out[key] = front
     return out
-
-
-def plot(report, path) -> None:
-    """Time against memory, one panel per vocabulary and reduction."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rows"]
-    keys = sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1]))
-    if not keys:
-        return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        for r in (r for r in rows if (r["v"], r["reduction"]) == key):
-            ours = r["impl"].startswith("ours")
-            ax.scatter(r["peak_extra_minus_grads_GiB"], r["ms"], marker="o" if ours else "s",
-                       color="C0" if ours else "C1")
-            ax.annotate(r["impl"], (r["peak_extra_minus_grads_GiB"], r["ms"]), fontsize=7)
-        ax.set_xscale("symlog", linthresh=0.1)
-        ax.set_title(f"V={key[0]}, {key[1]}")
-        ax.set_xlabel("peak extra memory less gradients (GiB)")
-        ax.set_ylabel("fwd+bwd ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 # ----------------------------------------------------------------------------------- sweep
@@ -427,7 +252,7 @@ def sweep(n, h, v, warmup, rep, sweep_list):
         red = "mean" if delta.get("strategy") == "grad_in_forward" else "none"
         try:
             with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
-                fwd_ms = _bench(
+                fwd_ms = DEV.bench(
                     lambda: linear_cross_entropy(e, c, t, reduction=red, impl="triton"),
                     warmup, rep)
             ms, peak, gbytes, _ = measure(make_ours(), e, c, t, red, up, warmup, rep)
@@ -439,8 +264,7 @@ def sweep(n, h, v, warmup, rep, sweep_list):
         if ref is None:
             ref = got
         # relative to the largest entry: loss, dE, dC against the first config
-        diff = [round(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), 8)
-                for a, b in zip(got, ref)]
+        diff = [round(rel_max_diff(a, b), 8) for a, b in zip(got, ref)]
         del got, loss
         r = dict(delta=delta, reduction=red, fwd_split=K.forward_split(n, v, cfg, e.device)[0],
                  fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
@@ -489,7 +313,7 @@ def phases(n, h, v, warmup, rep):
                                              e.dtype, o), 0)
     out = []
     for name, (fn, fl) in steps.items():
-        ms = _bench(fn, warmup, rep)
+        ms = DEV.bench(fn, warmup, rep)
         r = dict(v=v, step=name, ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1) if fl else None,
                  gbps=round(n * v * e.element_size() * 2 / ms / 1e6, 1) if not fl else None)
         print("phase", json.dumps(r), flush=True)
@@ -528,23 +352,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="which list of config deltas --sweep runs")
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up calls per measurement")
     ap.add_argument("--rep", type=int, default=200, help="ms of timed calls per measurement")
-    ap.add_argument("--out", default=str(common.RESULTS), help="folder of the .json and .md")
+    ap.add_argument("--out", default=str(env.RESULTS), help="folder of the .json and .md")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--hidden/--vocab)")
     return ap.parse_args(argv)
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def sweep_markdown(sweep_rows) -> str:
     lines = ["", "Sweep (ours; fwd = no-grad forward):", ""]
-    lines += common.table(
+    lines += table(
         ["V", "delta", "reduction", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
          "6NHV TFLOP/s", "8NHV TFLOP/s", "extra GiB", "rel. diff loss, dE, dC vs first"],
         [(r["v"], f"`{json.dumps(r['delta'])}`", r["reduction"], r["fwd_ms"], r["ms"],
@@ -557,7 +373,7 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     for name in args.impls:
         base, _, budget = name.partition("@")
-        if name not in PEERS and not (base in ("ours", "ours_main_grad") and _is_number(budget)):
+        if not known(name):
             raise SystemExit(f"--impls: unknown {name!r}")
     global DEV
     DEV = Device("cpu" if args.smoke_cpu else "cuda", gpu_lead_us=args.gpu_lead_us)
@@ -582,7 +398,7 @@ def main(argv=None) -> dict:
             phase_rows += phases(args.n, args.hidden, sv, args.warmup, args.rep)
     cfg = C.default_config(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
+    meta = dict(env.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
                 config=dataclasses.asdict(cfg), cublas_fp32_out=dict(G.TORCH_DTYPE_MM),
                 gpu_lead_us=args.gpu_lead_us, rounds=args.rounds)
     if args.smoke_cpu:
@@ -595,12 +411,12 @@ def main(argv=None) -> dict:
     meta["cublas_fp32_out"] = dict(G.TORCH_DTYPE_MM)  # after use: False where it fell back
     md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
     if phase_rows:
-        md += "\n".join(["", "Steps of the saved-tiles strategy, each alone:", ""] + common.table(
+        md += "\n".join(["", "Steps of the saved-tiles strategy, each alone:", ""] + table(
             ["V", "step", "ms", "TFLOP/s", "GB/s (read + write)"],
             [(r["v"], r["step"], r["ms"], r["tflops"], r["gbps"]) for r in phase_rows])) + "\n"
     stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
     report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows, phases=phase_rows)
-    written = common.write_report(stem, report, md, plot=plot if rows else None)
+    written = write_report(stem, report, md, plot=plots.linear_front if rows else None)
     print(md)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return report
