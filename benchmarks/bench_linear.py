@@ -30,43 +30,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import env, plots  # noqa: E402
-from harness.errors import linear_reference_loss, rel_max_diff  # noqa: E402
-from harness.peers.linear import GiB, PEER_NOTES, PEERS, known, make_ours, make_peer  # noqa: E402
-from harness.report import table, write_report  # noqa: E402
+from harness.errors import linear_reference_loss  # noqa: E402
+from harness.peers.linear import GiB, PEER_NOTES, PEERS, known, make_peer, make_step  # noqa: E402
+from harness.report import front, table, write_report  # noqa: E402
+from harness.step import measure_with_grads  # noqa: E402
 from harness.timing import Device, interleaved  # noqa: E402
 
 env.use_checkout_package()
 
-from vocab_parallel_loss import linear_cross_entropy  # noqa: E402
-from vocab_parallel_loss.kernels import linear as K  # noqa: E402
+import linear_tuning as tuning  # noqa: E402
 from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
 from vocab_parallel_loss.kernels.linear import gemm as G  # noqa: E402
 
 DEV: Device = None  # main(): the GPU, or the CPU with --smoke-cpu (plumbing under TRITON_INTERPRET=1)
 
 
-def make_step(fn, e, c, t, red, up):
-    def step():
-        loss, leaves = fn(e, c, t, red)
-        g = up if red == "none" else None
-        return loss, torch.autograd.grad(loss, leaves, g)
-    return step
-
-
 def measure(fn, e, c, t, red, up, warmup, rep):
-    step = make_step(fn, e, c, t, red, up)
-    loss, grads = step()  # compile / autotune
-    del grads
-    DEV.sync()
-    # memory: second run, previous outputs freed; the gradients left behind are counted
-    DEV.empty_cache()
-    (loss, grads), peak = DEV.peak_during(step)
-    peak = peak or 0
-    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-    loss_val = loss.detach().float().clone()
-    del grads, loss
-    ms = DEV.bench(lambda: step(), warmup, rep)
-    return ms, peak, grad_bytes, loss_val
+    return measure_with_grads(DEV, make_step(fn, e, c, t, red, up), warmup, rep)
 
 
 def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
@@ -140,185 +120,24 @@ def markdown(rows, notes, meta):
                 if meta.get("gpu_lead_us") else "")
              + (f" ms: the median of {meta['rounds']} rounds that time every row once in turn."
                 if meta.get("rounds") else ""), "",
-             f"Our tile config: `{meta['config']}`", "",
-             "| V | reduction | impl | ms | TFLOP/s 6NHV | TFLOP/s 8NHV | peak extra GiB | "
-             "minus grads GiB | max loss err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (-r["v"], r["reduction"], r["ms"])):
-        lines.append(f"| {r['v']} | {r['reduction']} | {r['impl']} | {r['ms']:.2f} | "
-                     f"{r['tflops_6nhv']:.0f} | {r['tflops_8nhv']:.0f} | {r['peak_extra_GiB']:.3f} | "
-                     f"{r['peak_extra_minus_grads_GiB']:.3f} | {r['max_loss_err']:.2e} |")
+             f"Our tile config: `{meta['config']}`", ""]
+    lines += table(
+        ["V", "reduction", "impl", "ms", "TFLOP/s 6NHV", "TFLOP/s 8NHV", "peak extra GiB",
+         "minus grads GiB", "max loss err"],
+        [[r["v"], r["reduction"], r["impl"], f"{r['ms']:.2f}", f"{r['tflops_6nhv']:.0f}",
+          f"{r['tflops_8nhv']:.0f}", f"{r['peak_extra_GiB']:.3f}",
+          f"{r['peak_extra_minus_grads_GiB']:.3f}", f"{r['max_loss_err']:.2e}"]
+         for r in sorted(rows, key=lambda r: (-r["v"], r["reduction"], r["ms"]))])
     lines += ["", "Pareto front (time against peak extra memory less the gradients; every "
               "point that no other is both faster and leaner than):", ""]
-    for key, front in pareto(rows).items():
+    for key in sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1])):
+        group = [r for r in rows if (r["v"], r["reduction"]) == key]
         pts = ", ".join(f"{r['impl']} {r['ms']:.2f} ms / {r['peak_extra_minus_grads_GiB']:.2f} GiB"
-                        for r in front)
+                        for r in front(group, "peak_extra_minus_grads_GiB", "ms"))
         lines.append(f"- V={key[0]} {key[1]}: {pts}")
     if notes:
         lines += ["", "Notes:"] + [f"- {x}" for x in notes]
     return "\n".join(lines) + "\n"
-
-
-def pareto(rows) -> dict:
-    """``{(V, reduction): rows on the time-memory front, leanest first}``."""
-    out = {}
-    for key in sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1])):
-        front, best = [], None
-        group = [r for r in rows if (r["v"], r["reduction"]) == key]
-        for r in sorted(group, key=lambda r: (r["peak_extra_minus_grads_GiB"], r["ms"])):
-            if best is None or r["ms"] < best:
-                front.append(r)
-                best = r["ms"]
-        out[key] = front
-    return out
-
-
-# ----------------------------------------------------------------------------------- sweep
-
-# (config delta, reduction): "none" exercises the default 8NHV path; "mean" + grad_in_forward
-# the 6NHV path.
-SWEEP = [
-    {},
-    dict(chunk_bytes=256 << 20),
-    dict(strategy="grad_in_forward"),
-]
-SWEEP_TILES = [
-    {},
-    dict(fwd_block_v=128, bwd_block_v=128),
-    dict(fwd_stages=4, bwd_stages=4),
-    dict(fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
-    dict(fwd_block_v=128, fwd_warps=4, fwd_stages=4, bwd_block_v=128, bwd_warps=4, bwd_stages=4),
-    dict(matmul="triton"),
-    dict(chunk_bytes=256 << 20),
-    dict(split=1),
-    dict(split=8),
-    dict(split=16, fwd_group_n=8),
-    dict(fwd_group_n=8, bwd_group_n=16),
-    dict(strategy="grad_in_forward"),
-    dict(strategy="grad_in_forward", gif_rows=8192),
-    dict(strategy="grad_in_forward", gif_rows=2048),
-    dict(strategy="grad_in_forward", row_block=4096, row_warps=16),
-]
-# TMA descriptors for E and C in the fused kernels, the forward's flat loop, and tiles that let
-# two programs share a multiprocessor (one's softmax epilogue overlapping the other's matmul):
-# 128x128 with 4 warps and 3 stages is 96 KB of shared memory and 255 registers per thread.
-_D = dict(fwd_desc=True, bwd_desc=True)
-SWEEP_TMA = [
-    {},
-    _D,
-    dict(_D, fwd_flat=True),
-    dict(_D, fwd_flat=True, fwd_stages=4),
-    dict(_D, fwd_flat=True, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(_D, fwd_stages=4, bwd_stages=4),
-    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(_D, fwd_block_v=128, bwd_block_v=128),
-    dict(_D, fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
-    dict(fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(fwd_block_v=128, bwd_block_v=128, fwd_warps=4, bwd_warps=4, fwd_group_n=8),
-    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4, fwd_stages=4,
-         bwd_stages=4),
-]
-# the default against the pointer kernels and its nearest neighbours (run with a long --rep)
-SWEEP_TMA_AB = [
-    {},
-    dict(fwd_desc=False, bwd_desc=False, fwd_flat=False),
-    dict(fwd_stages=4),
-    dict(bwd_desc=False),
-    dict(fwd_flat=False),
-    dict(fwd_stages=4, bwd_stages=4),
-]
-# the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
-# --n: 16384 rows once chose 5, 4096 rows 17, 65536 rows 2
-SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
-# alternated twice: the current choice at 16384 rows (6 at V=128256, 7 at 16032) against a floor
-# of ceil(SMs / GROUP_N) = 9 splits (all programs in flight within one group of row blocks) and 17
-SWEEP_SPLIT_AB = [dict(split=s) for s in (6, 7, 9, 17) * 2]
-SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB,
-          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB}
-
-
-def sweep(n, h, v, warmup, rep, sweep_list):
-    g = torch.Generator(device=DEV.torch).manual_seed(0)
-    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
-    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
-    up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
-    base = C.default_config(e.device)
-    results = []
-    ref = None  # the first config's per-token loss and gradients, to check every other one
-    for delta in sweep_list:
-        cfg = base.replace(**delta)
-        C.OVERRIDE_CONFIG = cfg
-        red = "mean" if delta.get("strategy") == "grad_in_forward" else "none"
-        try:
-            with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
-                fwd_ms = DEV.bench(
-                    lambda: linear_cross_entropy(e, c, t, reduction=red, impl="triton"),
-                    warmup, rep)
-            ms, peak, gbytes, _ = measure(make_ours(), e, c, t, red, up, warmup, rep)
-            loss = linear_cross_entropy(e, c, t, reduction="none", impl="triton")
-            got = (loss.detach(), *torch.autograd.grad(loss, (e, c), up))
-        except Exception as ex:
-            print(f"sweep {delta}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-            continue
-        if ref is None:
-            ref = got
-        # relative to the largest entry: loss, dE, dC against the first config
-        diff = [round(rel_max_diff(a, b), 8) for a, b in zip(got, ref)]
-        del got, loss
-        r = dict(delta=delta, reduction=red, fwd_split=K.forward_split(n, v, cfg, e.device)[0],
-                 fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
-                 fwd_tflops=round(2 * n * h * v / fwd_ms / 1e9, 1),
-                 bwd_tflops=round(6 * n * h * v / max(ms - fwd_ms, 1e-6) / 1e9, 1),
-                 tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),
-                 tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
-                 peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3),
-                 rel_diff_loss_de_dc=diff)
-        print("sweep", json.dumps(r), flush=True)
-        results.append(r)
-    C.OVERRIDE_CONFIG = None
-    return results
-
-
-def phases(n, h, v, warmup, rep):
-    """Each step of the saved-tiles strategy timed alone, with cuBLAS's rate on the logits GEMM
-    (the floor's rate): where the time goes."""
-    g = torch.Generator(device=DEV.torch).manual_seed(0)
-    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16()
-    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16()
-    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
-    cfg = C.default_config(e.device)
-    saved = K.saved_tiles(n, v, e.dtype, e.device, cfg)
-    stats = K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved)
-    lse = stats[0] + stats[1].log()
-    coef = torch.stack([lse, torch.full_like(lse, 1.0 / n), torch.full_like(lse, 1.0 / n),
-                        torch.zeros_like(lse), stats[2]])
-    de = torch.empty((n, h), dtype=e.dtype, device=e.device)
-    dc = torch.empty_like(c)
-    flops = 2 * n * h * v
-    steps = {
-        "cuBLAS logits e @ c.T (bf16 out)": (lambda: e @ c.t(), flops),
-        "forward statistics": (lambda: K.forward_stats(e, c, None, t, 0, None, False, config=cfg), flops),
-        "forward statistics + saved tiles": (
-            lambda: K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved), flops),
-        "dz pass (in place)": (lambda: K.backward_saved(saved, e, c, False, t, 0, coef, None, False,
-                                                        False, e.dtype, cfg), 0),
-        "dE = dz @ c": (lambda: G.gemm_store(de, saved.u, c, cfg), flops),
-        "dC = dz.T @ e": (lambda: G.gemm_store(dc, saved.u.t(), e, cfg), flops),
-    }
-    for block, warps in ((1024, 4), (4096, 8), (4096, 16), (8192, 16)):  # the dz pass's tiles
-        other = cfg.replace(row_block=block, row_warps=warps)
-        steps[f"dz pass, row_block {block}, {warps} warps"] = (
-            lambda o=other: K.backward_saved(saved, e, c, False, t, 0, coef, None, False, False,
-                                             e.dtype, o), 0)
-    out = []
-    for name, (fn, fl) in steps.items():
-        ms = DEV.bench(fn, warmup, rep)
-        r = dict(v=v, step=name, ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1) if fl else None,
-                 gbps=round(n * v * e.element_size() * 2 / ms / 1e6, 1) if not fl else None)
-        print("phase", json.dumps(r), flush=True)
-        out.append(r)
-    return out
 
 
 # ----------------------------------------------------------------------------------- main
@@ -348,7 +167,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--phases", action="store_true",
                     help="time each step of the saved-tiles strategy first (--sweep-vocab)")
-    ap.add_argument("--sweep-set", default="modes", choices=list(SWEEPS),
+    ap.add_argument("--sweep-set", default="modes", choices=list(tuning.SWEEPS),
                     help="which list of config deltas --sweep runs")
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up calls per measurement")
     ap.add_argument("--rep", type=int, default=200, help="ms of timed calls per measurement")
@@ -356,17 +175,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--hidden/--vocab)")
     return ap.parse_args(argv)
-
-
-def sweep_markdown(sweep_rows) -> str:
-    lines = ["", "Sweep (ours; fwd = no-grad forward):", ""]
-    lines += table(
-        ["V", "delta", "reduction", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
-         "6NHV TFLOP/s", "8NHV TFLOP/s", "extra GiB", "rel. diff loss, dE, dC vs first"],
-        [(r["v"], f"`{json.dumps(r['delta'])}`", r["reduction"], r["fwd_ms"], r["ms"],
-          r["fwd_tflops"], r["bwd_tflops"], r["tflops_6nhv"], r["tflops_8nhv"],
-          r["peak_extra_minus_grads_GiB"], r.get("rel_diff_loss_de_dc")) for r in sweep_rows])
-    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
@@ -384,8 +192,8 @@ def main(argv=None) -> dict:
     if args.sweep or args.sweep_only:
         for sv in args.sweep_vocab:
             sweep_rows += [dict(r, v=sv) for r in
-                           sweep(args.n, args.hidden, sv, args.warmup, args.rep,
-                                 SWEEPS[args.sweep_set])]
+                           tuning.sweep(DEV, args.n, args.hidden, sv, args.warmup, args.rep,
+                                        tuning.SWEEPS[args.sweep_set])]
         plain = [r for r in sweep_rows if r["reduction"] == "none"]
         # the table's "ours" uses the best default-path config; ours_gif adds gif
         if plain and len(args.sweep_vocab) == 1:
@@ -395,7 +203,7 @@ def main(argv=None) -> dict:
     phase_rows = []
     if args.phases:
         for sv in args.sweep_vocab:
-            phase_rows += phases(args.n, args.hidden, sv, args.warmup, args.rep)
+            phase_rows += tuning.phases(DEV, args.n, args.hidden, sv, args.warmup, args.rep)
     cfg = C.default_config(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
     meta = dict(env.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
@@ -409,11 +217,9 @@ def main(argv=None) -> dict:
         rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
                                 cfg, args.rounds)
     meta["cublas_fp32_out"] = dict(G.TORCH_DTYPE_MM)  # after use: False where it fell back
-    md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
+    md = markdown(rows, notes, meta) + (tuning.sweep_markdown(sweep_rows) if sweep_rows else "")
     if phase_rows:
-        md += "\n".join(["", "Steps of the saved-tiles strategy, each alone:", ""] + table(
-            ["V", "step", "ms", "TFLOP/s", "GB/s (read + write)"],
-            [(r["v"], r["step"], r["ms"], r["tflops"], r["gbps"]) for r in phase_rows])) + "\n"
+        md += tuning.phases_markdown(phase_rows)
     stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
     report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows, phases=phase_rows)
     written = write_report(stem, report, md, plot=plots.linear_front if rows else None)

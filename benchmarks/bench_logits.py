@@ -32,7 +32,6 @@ it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -46,9 +45,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import dist, env, errors, plots, probes  # noqa: E402
-from harness.peers.logits import IMPLS, Context, LossFn, allow_many_graphs  # noqa: E402
+from harness.peers.logits import IMPLS, Context, LossFn, allow_many_graphs, make_all  # noqa: E402
 from harness.report import fmt, reason, slug, table, write_report  # noqa: E402
-from harness.timing import Device, fwd_bwd_medians, timed_fwd_bwd  # noqa: E402
+from harness.step import measure_budgeted  # noqa: E402
+from harness.timing import Device  # noqa: E402
 
 env.use_checkout_package()
 log = env.log
@@ -164,50 +164,18 @@ def bytes_per_element(case: Case, path: str) -> int:
 
 def run_one(fn: LossFn, case: Case, path: str, inp: Inputs, ref: tuple, dev: Device,
             cfg: argparse.Namespace, res: Result) -> None:
-    t, g = inp.target, inp.g
-
     def backward(loss, x):
         if path == "none":
-            go = g if loss.dtype == g.dtype else g.to(loss.dtype)
+            go = inp.g if loss.dtype == inp.g.dtype else inp.g.to(loss.dtype)
             return torch.autograd.grad(loss, x, go)[0]
         return torch.autograd.grad(loss, x)[0]
 
-    # 1. a first call (compilation, autotuning, lazy allocations), then correctness and memory
-    #    on a fresh leaf copy of the logits (some peers overwrite them)
-    x = inp.logits.detach().clone().requires_grad_(True)
-    backward(fn(x, t, path, case), x)
-    x = inp.logits.detach().clone().requires_grad_(True)
-
-    def step():
-        loss = fn(x, t, path, case)
-        return loss, backward(loss, x)
-
-    (loss, grad), res.peak_extra_bytes = dev.peak_during(step)
+    out = measure_budgeted(dev, lambda x: fn(x, inp.target, path, case), backward, inp.logits,
+                           ref, cfg.warmup, cfg.min_reps, cfg.max_reps, cfg.budget)
+    for k, v in out.items():
+        setattr(res, k, v)
     if res.peak_extra_bytes is not None:
-        res.mem_x_logits = res.peak_extra_bytes / x.nbytes
-    res.loss_dtype = str(loss.dtype).replace("torch.", "")
-    res.loss_err = errors.max_abs_diff(loss.detach(), ref[0])
-    res.grad_err = errors.max_abs_diff(grad, ref[1])
-    del loss, grad
-
-    # 2. warm-up, which also sizes the number of timed reps to the time budget
-    dev.sync()
-    t0 = time.perf_counter()
-    for _ in range(cfg.warmup):
-        backward(fn(x, t, path, case), x)
-    dev.sync()
-    per_rep = (time.perf_counter() - t0) / max(cfg.warmup, 1)
-    reps = int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget / max(per_rep, 1e-6))))
-
-    # 3. timed reps: x is reused (in-place peers leave gradients in it: the time does not care)
-    def clock(i, _):  # the GPU still has reps queued: its working clock
-        if i == reps // 2:
-            res.sm_clock_mhz = dev.sm_clock_mhz()
-
-    stamps = timed_fwd_bwd(dev, lambda: fn(x, t, path, case), lambda loss: backward(loss, x),
-                           reps, dev.flush_l2, after=clock)
-    res.fwd_ms, res.bwd_ms, res.total_ms = fwd_bwd_medians(dev, stamps)
-    res.reps = reps
+        res.mem_x_logits = res.peak_extra_bytes / inp.logits.nbytes
 
 
 # ------------------------------------------------------------------------------------- output
@@ -324,19 +292,7 @@ def main(argv=None) -> dict:
                            + ("-clean-l2" if args.flush == "clean" else "")
                            + ("-gpu-lead" if args.gpu_lead_us else ""))
 
-    # implementations: build every selected adapter once; a failure skips it with the reason
-    selected = args.impls or list(IMPLS)
-    fns: Dict[str, LossFn] = {}
-    skipped: Dict[str, str] = {}
-    for name in selected:
-        impl = IMPLS[name]
-        if not impl.runs_on(dev.cuda):
-            skipped[name] = "needs CUDA (dry run)"
-            continue
-        try:
-            fns[name] = impl.make(ctx)
-        except Exception as e:
-            skipped[name] = f"unavailable: {reason(e, first_line=True)}"
+    fns, skipped = make_all(args.impls or list(IMPLS), ctx, dev.cuda)
     for name, why in skipped.items():
         log(f"skip {name}: {why}")
     log(f"vocab_parallel_loss from {meta['package_dir']}")
@@ -359,18 +315,7 @@ def main(argv=None) -> dict:
     bw = report["hbm"]["copy_TBps"] * 1e12
     log(f"{dev.name()}: copy bandwidth {report['hbm']['copy_TBps']:.3f} TB/s")
     if not args.no_extras:
-        # the host overhead before and after the collective has made a process group (a
-        # training process always has one); on the H200 the group made no difference beyond
-        # the spread between processes
-        calls = 1000 if dev.cuda else 50
-        for key, fn in (("host_overhead_no_group", lambda: probes.measure_host_overhead(dev, calls)),
-                        ("collective", lambda: probes.measure_collective(dev, 16384)),
-                        ("host_overhead", lambda: probes.measure_host_overhead(dev, calls))):
-            try:
-                report[key] = fn()
-            except Exception as e:
-                report[key] = {"error": reason(e)}
-            log(f"{key}: {json.dumps(report[key])}")
+        report.update(probes.measure_extras(dev, log))
 
     for case in args.shapes:
         if args.max_seconds and time.perf_counter() - start > args.max_seconds:

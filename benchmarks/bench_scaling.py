@@ -42,7 +42,7 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as tdist
@@ -50,8 +50,9 @@ import torch.distributed as tdist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import dist, env, plots  # noqa: E402
 from harness.peers.logits import IMPLS, Context, Options, allow_many_graphs  # noqa: E402
-from harness.report import reason, table, write_report  # noqa: E402
-from harness.timing import Device, fwd_bwd_medians, timed_fwd_bwd, timed_pairs  # noqa: E402
+from harness.report import fmt, reason, table, write_report  # noqa: E402
+from harness.step import measure_aligned  # noqa: E402
+from harness.timing import Device, timed_pairs  # noqa: E402
 
 dist.no_multicast()  # NVLink multicast off, whatever launched us (read when NCCL makes a group)
 env.use_checkout_package()
@@ -98,50 +99,11 @@ def parse_args(argv=None):
     return a
 
 
-def tp_sizes(args, world: int) -> List[int]:
-    if args.tp:
-        sizes = sorted({int(t) for t in args.tp.split(",")})
-        bad = [t for t in sizes if t < 1 or world % t]
-        if bad:
-            raise SystemExit(f"--tp {bad}: each TP size must divide the world size {world}")
-        return sizes
-    sizes, t = [], 1
-    while t <= world:
-        if world % t == 0:
-            sizes.append(t)
-        t *= 2
-    return sorted(set(sizes) | {world})
-
-
 # ------------------------------------------------------------------------------------- timing
 def impl_fn(name: str, ctx: Context):
     """The peer's per-token fp32 loss ``fn(x (N, V_local), target (N,) global ids)``."""
     fn = IMPLS[name].make(ctx)
     return lambda x, t: fn(x, t, "none", Options()).reshape(-1)
-
-
-def time_loss(fn, master, target, upstream, clock: dist.AlignedDevice, reps: int, warmup: int):
-    """Median fwd / bwd / total ms of ``fn`` on fresh copies of ``master``, and its last loss."""
-    x = master.clone().requires_grad_()
-    last = []
-
-    def before():
-        with torch.no_grad():
-            x.copy_(master)  # peers that work in place on their input get the same logits
-        clock.align()
-
-    def forward():
-        return fn(x, target)
-
-    def backward(loss):
-        return torch.autograd.grad(loss, x, upstream.to(loss.dtype).reshape(loss.shape))
-
-    def keep(i, loss):
-        last[:] = [loss.detach().float().reshape(-1)]
-
-    timed_fwd_bwd(clock, forward, backward, warmup, before, sync_each=True, after=keep)
-    stamps = timed_fwd_bwd(clock, forward, backward, reps, before, sync_each=True, after=keep)
-    return (*fwd_bwd_medians(clock, stamps), last[0] if last else None)
 
 
 def time_collective(group, n_rows: int, dev, clock: dist.AlignedDevice, reps: int, warmup: int) -> float:
@@ -166,7 +128,7 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001
         pass
 
-    sizes = tp_sizes(args, world)
+    sizes = dist.tp_sizes(args.tp, world)
     # every rank creates every sub-group (collective), keeping its own
     groups = {}
     for t in sizes:
@@ -203,7 +165,8 @@ def main(argv=None) -> int:
 
             def run(label, impl, fn, master_, target_, extra=None):
                 try:
-                    f, b, tot, loss = time_loss(fn, master_, target_, upstream, clock, args.reps, args.warmup)
+                    f, b, tot, loss = measure_aligned(clock, fn, master_, target_, upstream, args.reps,
+                                                      args.warmup)
                     ok, err = True, None
                 except Exception as e:  # noqa: BLE001
                     f = b = tot = math.nan
@@ -339,10 +302,6 @@ def write(report: dict, out_dir: Path, final: bool) -> None:
         (out_dir / "scaling.md").write_text(markdown(report))
 
 
-def _f(x, fmt=".3f") -> str:
-    return "—" if x is None else format(x, fmt)
-
-
 def markdown(report: dict) -> str:
     m = report["meta"]
     lines = [
@@ -358,30 +317,35 @@ def markdown(report: dict) -> str:
         "",
         f"## Collective vs single-shard kernel (target: {m['target']})",
         "",
-        "| V | TP | V/TP | kernel, 1 shard (ms) | ours on TP (ms) | collective (ms) | share of ours | collective / kernel | ours / kernel − 1 | target |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
-    for s in report["scaling"]:
-        tgt = "—" if s["meets_target"] is None else ("yes" if s["meets_target"] else "**no**")
-        lines.append(
-            f"| {s['vocab']} | {s['tp']} | {s['v_local']} | {_f(s['kernel_single_shard_ms'])} | "
-            f"{_f(s['ours_tp_ms'])} | {_f(s['collective_ms'], '.4f')} | {_fmt_pct(s['collective_share_of_total'])} | "
-            f"{_fmt_pct(s['collective_over_kernel'])} | {_fmt_pct(s['tp_overhead_end_to_end'])} | {tgt} |")
-    lines += ["", "## Forward / backward per implementation (max over ranks of the per-rank median)", "",
-              "| V | TP | implementation | fwd (ms) | bwd (ms) | total (ms) | total / ours | max abs loss diff vs ours |",
-              "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines += table(
+        ["V", "TP", "V/TP", "kernel, 1 shard (ms)", "ours on TP (ms)", "collective (ms)",
+         "share of ours", "collective / kernel", "ours / kernel − 1", "target"],
+        [[s["vocab"], s["tp"], s["v_local"], _f(s["kernel_single_shard_ms"]), _f(s["ours_tp_ms"]),
+          _f(s["collective_ms"], ".4f"), _fmt_pct(s["collective_share_of_total"]),
+          _fmt_pct(s["collective_over_kernel"]), _fmt_pct(s["tp_overhead_end_to_end"]),
+          "—" if s["meets_target"] is None else ("yes" if s["meets_target"] else "**no**")]
+         for s in report["scaling"]], "rrrrrrrrrc")
+    lines += ["", "## Forward / backward per implementation (max over ranks of the per-rank median)", ""]
     ours = {(r["vocab"], r["tp"]): r["total_ms"] for r in report["results"] if r["impl"] == "ours"}
+    rows = []
     for r in report["results"]:
         o = ours.get((r["vocab"], r["tp"]))
-        rel = _f(r["total_ms"] / o, ".2f") if r["total_ms"] is not None and o else "—"
         name = r["impl"] + (" (1 shard, no TP)" if r["impl"] == "kernel" else "")
         if r["error"]:
             name += f" — failed: {r['error'][:80]}"
-        lines.append(f"| {r['vocab']} | {r['tp']} | {name} | {_f(r['fwd_ms'])} | {_f(r['bwd_ms'])} | "
-                     f"{_f(r['total_ms'])} | {rel} | {_f(r['max_abs_loss_diff_vs_ours'], '.2e')} |")
+        rows.append([r["vocab"], r["tp"], name, _f(r["fwd_ms"]), _f(r["bwd_ms"]), _f(r["total_ms"]),
+                     _f(r["total_ms"] / o, ".2f") if r["total_ms"] is not None and o else "—",
+                     _f(r["max_abs_loss_diff_vs_ours"], ".2e")])
+    lines += table(["V", "TP", "implementation", "fwd (ms)", "bwd (ms)", "total (ms)", "total / ours",
+                    "max abs loss diff vs ours"], rows, "rrlrrrrr")
     if report["notes"]:
         lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in report["notes"].items()]
     return "\n".join(lines) + "\n"
+
+
+def _f(x, spec=".3f") -> str:
+    return fmt(x, spec, "—")
 
 
 if __name__ == "__main__":

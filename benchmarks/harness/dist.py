@@ -105,6 +105,23 @@ def over_ranks(values: List[float], dev) -> Dict[str, List[float]]:
     return {"max": hi.tolist(), "min": lo.tolist()}
 
 
+def tp_sizes(requested: Optional[str], world: int) -> List[int]:
+    """The TP sizes of a run: ``requested`` (comma-separated; each must divide the world size),
+    else 1, 2, 4, ... up to the world size, and the world size."""
+    if requested:
+        sizes = sorted({int(t) for t in requested.split(",")})
+        bad = [t for t in sizes if t < 1 or world % t]
+        if bad:
+            raise SystemExit(f"--tp {bad}: each TP size must divide the world size {world}")
+        return sizes
+    sizes, t = [], 1
+    while t <= world:
+        if world % t == 0:
+            sizes.append(t)
+        t *= 2
+    return sorted(set(sizes) | {world})
+
+
 def megatron_tp_group(tp: int, fresh: bool):
     """megatron-core's ``parallel_state`` with TP size ``tp`` (over a group made already); its TP
     group. ``fresh``: torn down and made again when it exists (another TP size), else kept."""

@@ -6,11 +6,13 @@ of a markdown report."""
 from __future__ import annotations
 
 import functools
-from typing import List
+import json
+from typing import Callable, List
 
 import torch
 
 from . import dist
+from .report import reason
 from .timing import Device, timed_pairs
 
 
@@ -22,7 +24,6 @@ def measure_bandwidth(dev: Device, gib: float) -> dict:
     for _ in range(3):
         dst.copy_(src)
     ms = dev.median_ms(timed_pairs(dev, lambda: dst.copy_(src), 20 if dev.cuda else 5))
-    del src, dst
     return {"copy_bytes": nbytes, "copy_ms": ms, "copy_TBps": 2 * nbytes / (ms * 1e-3) / 1e12}
 
 
@@ -107,6 +108,24 @@ def measure_collective(dev: Device, n: int) -> dict:
                          **dev.host_us(fn, 200 if dev.cuda else 20)}
         except Exception as e:  # e.g. a backend without all_gather_into_tensor
             out[name] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def measure_extras(dev: Device, log: Callable[[str], None]) -> dict:
+    """``host_overhead_no_group``, ``collective`` and ``host_overhead``, in that order: the host
+    overhead before and after the collective has made a process group (a training process
+    always has one); on the H200 the group made no difference beyond the spread between
+    processes. A failing one holds its ``error``."""
+    calls = 1000 if dev.cuda else 50
+    out = {}
+    for key, fn in (("host_overhead_no_group", lambda: measure_host_overhead(dev, calls)),
+                    ("collective", lambda: measure_collective(dev, 16384)),
+                    ("host_overhead", lambda: measure_host_overhead(dev, calls))):
+        try:
+            out[key] = fn()
+        except Exception as e:
+            out[key] = {"error": reason(e)}
+        log(f"{key}: {json.dumps(out[key])}")
     return out
 
 

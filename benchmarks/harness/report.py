@@ -1,7 +1,8 @@
 """Writing a benchmark's report: the JSON, the markdown table and the plot next to each other.
 
-``write_report()`` writes them; ``table()`` and ``fmt()`` build the markdown; ``reason()`` is how
-an exception reads in a report (a peer that could not run, a row that failed).
+``write_report()`` writes them; ``table()`` and ``fmt()`` build the markdown; ``front()`` picks
+the time-memory Pareto front; ``reason()`` is how an exception reads in a report (a peer that
+could not run, a row that failed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ def _note(report: dict, key: str, text: str) -> None:
         notes[key] = text
     else:
         notes.append(f"{key}: {text}")
+
+
+def front(rows: Sequence[dict], cost: str, time: str) -> List[dict]:
+    """The rows on the ``time``-``cost`` Pareto front (none other is both faster and leaner),
+    leanest first."""
+    out, best = [], None
+    for r in sorted(rows, key=lambda r: (r[cost], r[time])):
+        if best is None or r[time] < best:
+            out.append(r)
+            best = r[time]
+    return out
 
 
 def reason(exc: BaseException, first_line: bool = False) -> str:

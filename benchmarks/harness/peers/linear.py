@@ -143,3 +143,13 @@ def make_peer(name: str):
     if budget and base in ("ours", "ours_main_grad"):
         return make_ours(memory_budget=float(budget) * GiB, main_grad=base == "ours_main_grad")
     return PEERS[name]()
+
+
+def make_step(fn, e, c, t, red, up):
+    """``step() -> (loss, gradients)`` of a peer ``fn``: backward under the upstream gradient
+    ``up`` for per-token losses, the implicit 1 for scalar ones."""
+    def step():
+        loss, leaves = fn(e, c, t, red)
+        g = up if red == "none" else None
+        return loss, torch.autograd.grad(loss, leaves, g)
+    return step

@@ -12,12 +12,13 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import dist
+from ..report import reason
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,23 @@ def _apex(ctx):
     # (logits, labels, smoothing, padding_idx, half_to_float): no target equals -100 here
     return lambda x, t, red, c: _mean(
         SoftmaxCrossEntropyLoss.apply(x, t, c.smoothing, -100, x.dtype != torch.float32), red)
+
+
+def make_all(names, ctx: Context, cuda: bool) -> Tuple[Dict[str, LossFn], Dict[str, str]]:
+    """Every adapter of ``names`` made once: ``{name: loss_fn}``, and ``{name: why}`` for those
+    that cannot run here (on the CPU, or their peer unavailable)."""
+    fns: Dict[str, LossFn] = {}
+    skipped: Dict[str, str] = {}
+    for name in names:
+        impl = IMPLS[name]
+        if not impl.runs_on(cuda):
+            skipped[name] = "needs CUDA (dry run)"
+            continue
+        try:
+            fns[name] = impl.make(ctx)
+        except Exception as e:
+            skipped[name] = f"unavailable: {reason(e, first_line=True)}"
+    return fns, skipped
 
 
 def allow_many_graphs() -> None:
