@@ -26,12 +26,10 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import env, plots  # noqa: E402
 from harness.errors import linear_reference_loss  # noqa: E402
-from harness.peers.linear import GiB, PEER_NOTES, PEERS, known, make_peer, make_step  # noqa: E402
+from harness.peers.linear import GiB, PEER_NOTES, PEERS, known, make_inputs, make_peer, make_step  # noqa: E402
 from harness.report import front, table, write_report  # noqa: E402
 from harness.step import measure_with_grads  # noqa: E402
 from harness.timing import Device, interleaved  # noqa: E402
@@ -53,11 +51,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
     rows, notes = [], []
     for n, h, v in shapes:
         steps, shape_rows = {}, {}
-        g = torch.Generator(device=DEV.torch).manual_seed(0)
-        e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
-        c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
-        t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
-        up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
+        e, c, t, up = make_inputs(DEV.torch, n, h, v)
         ref = linear_reference_loss(e.detach(), c.detach(), t)
         for name in impls:
             try:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 import traceback
@@ -45,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import dist, env, errors, plots, probes  # noqa: E402
-from harness.peers.logits import IMPLS, Context, LossFn, allow_many_graphs, make_all  # noqa: E402
+from harness.peers.logits import IMPLS, Case, Context, LossFn, allow_many_graphs, make_all  # noqa: E402
 from harness.report import fmt, reason, slug, table, write_report  # noqa: E402
 from harness.step import measure_budgeted  # noqa: E402
 from harness.timing import Device  # noqa: E402
@@ -55,49 +54,6 @@ log = env.log
 
 
 # --------------------------------------------------------------------------------------- cases
-@dataclass(frozen=True)
-class Case:
-    n: int
-    v: int
-    dtype: str = "bf16"
-    smoothing: float = 0.0
-    z_loss: float = 0.0
-
-    @property
-    def name(self) -> str:
-        s = f"{self.n}x{self.v}"
-        if self.dtype != "bf16":
-            s += f"-{self.dtype}"
-        if self.smoothing:
-            s += f"-ls{self.smoothing:g}"
-        if self.z_loss:
-            s += f"-z{self.z_loss:g}"
-        return s
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[self.dtype]
-
-    @staticmethod
-    def parse(spec: str) -> "Case":
-        """``NxV`` with optional ``-fp32``/``-fp16``, ``-ls<a>`` (label smoothing) and ``-z<w>``
-        (z-loss weight) suffixes, e.g. ``8192x256000-ls0.1`` or ``16384x32000-z1e-4``."""
-        opt = r"fp32|fp16|bf16|ls[0-9.]+(?:e-?\d+)?|z[0-9.]+(?:e-?\d+)?"
-        m = re.fullmatch(rf"(\d+)x(\d+)((?:-(?:{opt}))*)", spec.strip())
-        if not m:
-            raise argparse.ArgumentTypeError(
-                f"bad shape {spec!r}: expected NxV[-fp32][-ls0.1][-z1e-4]")
-        dtype, ls, z = "bf16", 0.0, 0.0
-        for part in re.findall(rf"-({opt})", m.group(3)):
-            if part.startswith("ls"):
-                ls = float(part[2:])
-            elif part.startswith("z"):
-                z = float(part[1:])
-            else:
-                dtype = part
-        return Case(int(m.group(1)), int(m.group(2)), dtype, ls, z)
-
-
 # The shapes (N tokens x V_local): Llama-2 32K, Llama-3 128K, Gemma 256K, Llama-3 over TP8
 # (128256 / 8 = 16032), and the same shard with 4x the tokens; then fp32 input, label smoothing
 # and z-loss on one shape (each should be within 5% of bf16 per-token in bytes-normalised time).
@@ -231,13 +187,20 @@ def markdown(report: dict) -> str:
 
 
 # --------------------------------------------------------------------------------------- main
+def _shapes(spec: str) -> list:
+    try:
+        return [Case.parse(x) for x in spec.split(",") if x]
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: small shapes, short timings")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU, tiny shapes, CPU-capable impls only: checks the pipeline")
-    p.add_argument("--shapes", type=lambda s: [Case.parse(x) for x in s.split(",") if x],
+    p.add_argument("--shapes", type=_shapes,
                    help="comma list of NxV[-fp32][-ls0.1][-z1e-4] (default: the full shapes)")
     p.add_argument("--impls", type=lambda s: [x for x in s.split(",") if x],
                    help=f"comma list from: {', '.join(IMPLS)}")

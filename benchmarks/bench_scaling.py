@@ -42,22 +42,20 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import dist, env, plots  # noqa: E402
-from harness.peers.logits import IMPLS, Context, Options, allow_many_graphs  # noqa: E402
-from harness.report import fmt, reason, table, write_report  # noqa: E402
+from harness import dist, env, plots, probes  # noqa: E402
+from harness.peers.logits import IMPLS, Case, Context, allow_many_graphs  # noqa: E402
+from harness.report import finite, fmt, pct, ratio, reason, table, write_report  # noqa: E402
 from harness.step import measure_aligned  # noqa: E402
-from harness.timing import Device, timed_pairs  # noqa: E402
+from harness.timing import Device  # noqa: E402
 
 dist.no_multicast()  # NVLink multicast off, whatever launched us (read when NCCL makes a group)
 env.use_checkout_package()
-
-from vocab_parallel_loss import communication  # noqa: E402
 
 TARGET = 0.05  # the collective adds <= 5 % over the single-shard kernel time at TP = 8
 ALL_IMPLS = ["ours", "megatron_native", "megatron_fused", "te"]
@@ -100,21 +98,10 @@ def parse_args(argv=None):
 
 
 # ------------------------------------------------------------------------------------- timing
-def impl_fn(name: str, ctx: Context):
+def impl_fn(name: str, ctx: Context, case: Case):
     """The peer's per-token fp32 loss ``fn(x (N, V_local), target (N,) global ids)``."""
     fn = IMPLS[name].make(ctx)
-    return lambda x, t: fn(x, t, "none", Options()).reshape(-1)
-
-
-def time_collective(group, n_rows: int, dev, clock: dist.AlignedDevice, reps: int, warmup: int) -> float:
-    # the forward's send buffer: (4, N) statistics and the shard's shapes
-    stats = torch.randn(communication.stats_size(4, n_rows), dtype=torch.float32, device=dev)
-
-    def gather():
-        communication.gather_stats(stats, group)
-
-    timed_pairs(clock, gather, warmup, clock.align, sync_each=True)
-    return clock.median_ms(timed_pairs(clock, gather, reps, clock.align, sync_each=True))
+    return lambda x, t: fn(x, t, "none", case).reshape(-1)
 
 
 # -------------------------------------------------------------------------------------- main
@@ -161,6 +148,7 @@ def main(argv=None) -> int:
             master = torch.randn(n, v_local, generator=gen_x, device=dev, dtype=dtype).mul_(2)
             # megatron_fused's remark on its jit_fuser is not part of this report
             ctx = Context(clock, group, mg_group, notes={})
+            case = Case(n, v_local)
             rows = []
 
             def run(label, impl, fn, master_, target_, extra=None):
@@ -178,10 +166,10 @@ def main(argv=None) -> int:
                 return ok
 
             # ours on the TP group, then the same shard alone (the single-shard kernel time)
-            run("ours", "ours", impl_fn("ours", ctx), master, target)
-            run("kernel", "ours", impl_fn("ours", Context(clock)), master, target % v_local,
+            run("ours", "ours", impl_fn("ours", ctx, case), master, target)
+            run("kernel", "ours", impl_fn("ours", Context(clock), case), master, target % v_local,
                 extra={"note": "tp_group=None on the local shard"})
-            coll = time_collective(group, n, dev, clock, args.reps, args.warmup)
+            coll = probes.measure_gather_stats(clock, group, n, args.reps, args.warmup)
 
             for impl in args.impls:
                 if impl == "ours":
@@ -193,7 +181,7 @@ def main(argv=None) -> int:
                     continue
                 err = None
                 try:
-                    fn = impl_fn(impl, ctx)
+                    fn = impl_fn(impl, ctx, case)
                 except Exception as e:  # noqa: BLE001 - mostly ImportError
                     err, fn = reason(e), None
                 if not dist.all_agree(err is None, dev):
@@ -217,19 +205,19 @@ def main(argv=None) -> int:
                 fw, bw, tt, df = hi[4 * i:4 * i + 4]
                 entry_rows.append(dict(
                     vocab=v, tp=t, v_local=v_local, tokens_per_rank=n, impl=r["label"],
-                    fwd_ms=_num(fw), bwd_ms=_num(bw), total_ms=_num(tt),
-                    total_ms_min_rank=_num(lo[4 * i + 2]),
-                    max_abs_loss_diff_vs_ours=_num(df) if r["label"] not in ("ours", "kernel") else None,
+                    fwd_ms=finite(fw), bwd_ms=finite(bw), total_ms=finite(tt),
+                    total_ms_min_rank=finite(lo[4 * i + 2]),
+                    max_abs_loss_diff_vs_ours=finite(df) if r["label"] not in ("ours", "kernel") else None,
                     error=r["error"], note=r.get("note")))
             coll_ms = hi[-1]
             report["results"] += entry_rows
             by = {e["impl"]: e for e in entry_rows}
             kernel, ours = by["kernel"]["total_ms"], by["ours"]["total_ms"]
             sc = dict(vocab=v, tp=t, v_local=v_local, tokens_per_rank=n,
-                      kernel_single_shard_ms=kernel, ours_tp_ms=ours, collective_ms=_num(coll_ms),
-                      collective_share_of_total=_ratio(coll_ms, ours),
-                      collective_over_kernel=_ratio(coll_ms, kernel),
-                      tp_overhead_end_to_end=(_ratio(ours, kernel) - 1) if _ratio(ours, kernel) is not None else None)
+                      kernel_single_shard_ms=kernel, ours_tp_ms=ours, collective_ms=finite(coll_ms),
+                      collective_share_of_total=ratio(coll_ms, ours),
+                      collective_over_kernel=ratio(coll_ms, kernel),
+                      tp_overhead_end_to_end=(ratio(ours, kernel) - 1) if ratio(ours, kernel) is not None else None)
             sc["meets_target"] = (None if t == 1 or sc["collective_over_kernel"] is None
                                   else bool(sc["collective_over_kernel"] <= TARGET))
             for impl in args.impls[1:]:
@@ -240,7 +228,7 @@ def main(argv=None) -> int:
             clock.empty_cache()
             if rank == 0:
                 print(f"V={v} TP={t}: ours {ours} ms, kernel {kernel} ms, collective {coll_ms:.4f} ms "
-                      f"({_fmt_pct(sc['collective_over_kernel'])} of the kernel)", flush=True)
+                      f"({pct(sc['collective_over_kernel'])} of the kernel)", flush=True)
                 write(_sorted(report), out_dir, final=False)
     dist.megatron_teardown()
     if rank == 0:
@@ -257,20 +245,6 @@ def _sorted(report: dict) -> dict:
     key = lambda r: (r["vocab"], r["tp"])  # noqa: E731 - stable: impl order kept
     return dict(report, results=sorted(report["results"], key=key),
                 scaling=sorted(report["scaling"], key=key))
-
-
-def _num(x) -> Optional[float]:
-    return None if x is None or not math.isfinite(x) else float(x)
-
-
-def _ratio(a, b) -> Optional[float]:
-    if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b <= 0:
-        return None
-    return a / b
-
-
-def _fmt_pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
 
 
 def meta(args, dev, world, sizes) -> dict:
@@ -322,8 +296,8 @@ def markdown(report: dict) -> str:
         ["V", "TP", "V/TP", "kernel, 1 shard (ms)", "ours on TP (ms)", "collective (ms)",
          "share of ours", "collective / kernel", "ours / kernel − 1", "target"],
         [[s["vocab"], s["tp"], s["v_local"], _f(s["kernel_single_shard_ms"]), _f(s["ours_tp_ms"]),
-          _f(s["collective_ms"], ".4f"), _fmt_pct(s["collective_share_of_total"]),
-          _fmt_pct(s["collective_over_kernel"]), _fmt_pct(s["tp_overhead_end_to_end"]),
+          _f(s["collective_ms"], ".4f"), pct(s["collective_share_of_total"]),
+          pct(s["collective_over_kernel"]), pct(s["tp_overhead_end_to_end"]),
           "—" if s["meets_target"] is None else ("yes" if s["meets_target"] else "**no**")]
          for s in report["scaling"]], "rrrrrrrrrc")
     lines += ["", "## Forward / backward per implementation (max over ranks of the per-rank median)", ""]

@@ -9,7 +9,7 @@ import json
 import torch
 
 from harness.errors import rel_max_diff
-from harness.peers.linear import GiB, make_ours, make_step
+from harness.peers.linear import GiB, make_inputs, make_ours, make_step
 from harness.report import table
 from harness.step import measure_with_grads
 from harness.timing import Device
@@ -81,11 +81,7 @@ SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEE
 
 
 def sweep(dev: Device, n, h, v, warmup, rep, sweep_list):
-    g = torch.Generator(device=dev.torch).manual_seed(0)
-    e = (torch.randn(n, h, device=dev.torch, generator=g) * 0.5).bfloat16().requires_grad_()
-    c = (torch.randn(v, h, device=dev.torch, generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device=dev.torch, generator=g)
-    up = torch.rand(n, device=dev.torch, generator=g) + 0.5
+    e, c, t, up = make_inputs(dev.torch, n, h, v)
     base = C.default_config(e.device)
     results = []
     ref = None  # the first config's per-token loss and gradients, to check every other one
@@ -127,10 +123,7 @@ def sweep(dev: Device, n, h, v, warmup, rep, sweep_list):
 def phases(dev: Device, n, h, v, warmup, rep):
     """Each step of the saved-tiles strategy timed alone, with cuBLAS's rate on the logits GEMM
     (the floor's rate): where the time goes."""
-    g = torch.Generator(device=dev.torch).manual_seed(0)
-    e = (torch.randn(n, h, device=dev.torch, generator=g) * 0.5).bfloat16()
-    c = (torch.randn(v, h, device=dev.torch, generator=g) * 0.02).bfloat16()
-    t = torch.randint(0, v, (n,), device=dev.torch, generator=g)
+    e, c, t, _ = make_inputs(dev.torch, n, h, v, grad=False)
     cfg = C.default_config(e.device)
     saved = K.saved_tiles(n, v, e.dtype, e.device, cfg)
     stats = K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved)

@@ -1,7 +1,7 @@
-"""Yardsticks measured next to the losses in one process: the device-to-device copy bandwidth
-(the memory bound's BW), the host overhead of one call of this package (with two yardsticks of
-the host's own speed), and the TP statistics collective on a 1-rank group; and their sections
-of a markdown report."""
+"""Yardsticks measured next to the losses: the device-to-device copy bandwidth (the memory
+bound's BW), the host overhead of one call of this package (with two yardsticks of the host's
+own speed), the TP statistics collective on a 1-rank group and, under torchrun, this package's
+collective alone on a TP group; and their sections of a markdown report."""
 
 from __future__ import annotations
 
@@ -109,6 +109,22 @@ def measure_collective(dev: Device, n: int) -> dict:
         except Exception as e:  # e.g. a backend without all_gather_into_tensor
             out[name] = {"error": f"{type(e).__name__}: {e}"}
     return out
+
+
+def measure_gather_stats(clock, group, n_rows: int, reps: int, warmup: int) -> float:
+    """Median ms of this package's forward collective alone (``communication.gather_stats`` of
+    (4, N) fp32 statistics) on ``group``, every rank aligned before each call
+    (``dist.AlignedDevice``) and the host waiting for each."""
+    from vocab_parallel_loss import communication
+
+    # the forward's send buffer: (4, N) statistics and the shard's shapes
+    stats = torch.randn(communication.stats_size(4, n_rows), dtype=torch.float32, device=clock.torch)
+
+    def gather():
+        communication.gather_stats(stats, group)
+
+    timed_pairs(clock, gather, warmup, clock.align, sync_each=True)
+    return clock.median_ms(timed_pairs(clock, gather, reps, clock.align, sync_each=True))
 
 
 def measure_extras(dev: Device, log: Callable[[str], None]) -> dict:

@@ -25,6 +25,23 @@ def fmt(v, spec: str, missing: str = "") -> str:
     return format(v, spec)
 
 
+def finite(x) -> Optional[float]:
+    """``float(x)``, or None for None / NaN / inf."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def ratio(a, b) -> Optional[float]:
+    """``a / b`` of two finite numbers with b > 0, else None."""
+    if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b <= 0:
+        return None
+    return a / b
+
+
+def pct(x) -> str:
+    """``12.3%`` for 0.123; ``n/a`` for None."""
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence], align: Optional[str] = None) -> List[str]:
     """Markdown table lines; ``align``: one character per column, ``l``, ``r`` or ``c``."""
     align = align or "l" * len(header)

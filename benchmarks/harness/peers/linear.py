@@ -145,6 +145,18 @@ def make_peer(name: str):
     return PEERS[name]()
 
 
+def make_inputs(device, n: int, h: int, v: int, grad: bool = True):
+    """The inputs of one shape, seeded: bf16 e (N, H) and c (V, H) (leaves that require grad
+    with ``grad``), targets t (N,) and a non-uniform fp32 upstream gradient up (N,) in
+    [0.5, 1.5)."""
+    g = torch.Generator(device=device).manual_seed(0)
+    e = (torch.randn(n, h, device=device, generator=g) * 0.5).bfloat16().requires_grad_(grad)
+    c = (torch.randn(v, h, device=device, generator=g) * 0.02).bfloat16().requires_grad_(grad)
+    t = torch.randint(0, v, (n,), device=device, generator=g)
+    up = torch.rand(n, device=device, generator=g) + 0.5
+    return e, c, t, up
+
+
 def make_step(fn, e, c, t, red, up):
     """``step() -> (loss, gradients)`` of a peer ``fn``: backward under the upstream gradient
     ``up`` for per-token losses, the implicit 1 for scalar ones."""

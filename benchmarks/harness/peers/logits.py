@@ -1,8 +1,8 @@
 """Cross entropy over logits: this package and its peers behind one call.
 
-``IMPLS[name].make(ctx)`` returns ``loss_fn(x, target, reduction, opts)`` for 2-D logits x (N, V)
+``IMPLS[name].make(ctx)`` returns ``loss_fn(x, target, reduction, case)`` for 2-D logits x (N, V)
 (a vocabulary shard under tensor parallelism) and targets (N,) (global ids); reduction is
-``"none"`` (loss shaped (N,)) or ``"mean"`` (scalar); ``opts.smoothing`` and ``opts.z_loss`` are
+``"none"`` (loss shaped (N,)) or ``"mean"`` (scalar); ``case.smoothing`` and ``case.z_loss`` are
 the options (used only where the ``Impl`` declares support). ``make`` imports its peer and raises
 (ImportError, mostly) when it cannot run here: the benchmark then skips it with the reason.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -22,11 +23,49 @@ from ..report import reason
 
 
 @dataclass(frozen=True)
-class Options:
-    """The loss options an adapter reads (a benchmark's shape carries the same two fields)."""
+class Case:
+    """One problem: N tokens x V (a vocabulary shard under TP), the input dtype and the loss
+    options an adapter reads."""
 
+    n: int
+    v: int
+    dtype: str = "bf16"
     smoothing: float = 0.0
     z_loss: float = 0.0
+
+    @property
+    def name(self) -> str:
+        s = f"{self.n}x{self.v}"
+        if self.dtype != "bf16":
+            s += f"-{self.dtype}"
+        if self.smoothing:
+            s += f"-ls{self.smoothing:g}"
+        if self.z_loss:
+            s += f"-z{self.z_loss:g}"
+        return s
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[self.dtype]
+
+    @staticmethod
+    def parse(spec: str) -> "Case":
+        """``NxV`` with optional ``-fp32``/``-fp16``, ``-ls<a>`` (label smoothing) and ``-z<w>``
+        (z-loss weight) suffixes, e.g. ``8192x256000-ls0.1`` or ``16384x32000-z1e-4``."""
+        opt = r"fp32|fp16|bf16|ls[0-9.]+(?:e-?\d+)?|z[0-9.]+(?:e-?\d+)?"
+        m = re.fullmatch(rf"(\d+)x(\d+)((?:-(?:{opt}))*)", spec.strip())
+        if not m:
+            raise ValueError(
+                f"bad shape {spec!r}: expected NxV[-fp32][-ls0.1][-z1e-4]")
+        dtype, ls, z = "bf16", 0.0, 0.0
+        for part in re.findall(rf"-({opt})", m.group(3)):
+            if part.startswith("ls"):
+                ls = float(part[2:])
+            elif part.startswith("z"):
+                z = float(part[1:])
+            else:
+                dtype = part
+        return Case(int(m.group(1)), int(m.group(2)), dtype, ls, z)
 
 
 class Context:
@@ -47,7 +86,7 @@ class Context:
         return self._megatron_group
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor, str, Options], torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor, str, Case], torch.Tensor]
 
 
 @dataclass(frozen=True)
