@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import env, plots  # noqa: E402
 from harness.errors import linear_reference_loss  # noqa: E402
-from harness.peers.linear import GiB, PEER_NOTES, PEERS, known, make_inputs, make_peer, make_step  # noqa: E402
+from harness.peers.linear import (  # noqa: E402
+    GiB, PEER_NOTES, PEERS, known, make_inputs, make_peer, make_step)
 from harness.report import front, table, write_report  # noqa: E402
 from harness.step import measure_with_grads  # noqa: E402
 from harness.timing import Device, interleaved  # noqa: E402

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import env  # noqa: E402
-from harness.errors import rel_max_diff  # noqa: E402
+from harness.errors import logprobs_reference, max_abs_diff, rel_max_diff  # noqa: E402
 from harness.peers.logprobs import (  # noqa: E402
     GiB, TEMPERATURE, load_liger, load_verl, ours, ours_at, torch_chunked, torch_plain)
 from harness.report import fmt, table, write_report  # noqa: E402
@@ -42,12 +42,6 @@ env.use_checkout_package()
 
 
 # ----------------------------------------------------------------------------------- measure
-def reference(h, w, t):
-    hf, wf = h.detach().float().requires_grad_(), w.detach().float()
-    lp, ent = torch_plain(hf, wf, t)
-    return lp.detach(), ent.detach(), hf
-
-
 def measure(dev, name, fn, h, w, t, g_lp, g_ent, ref, args):
     row = {"impl": name}
     try:
@@ -60,8 +54,8 @@ def measure(dev, name, fn, h, w, t, g_lp, g_ent, ref, args):
         grads = (h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size())
         row["extra_gib"] = None if peak is None else (peak - grads) / GiB
         ref_lp, ref_ent, ref_de = ref
-        row["err_logp"] = (lp.float() - ref_lp).abs().max().item()
-        row["err_entropy"] = (ent.float() - ref_ent).abs().max().item()
+        row["err_logp"] = max_abs_diff(lp, ref_lp)
+        row["err_entropy"] = max_abs_diff(ent, ref_ent)
         row["err_de_rel"] = rel_max_diff(h.grad, ref_de)
         del lp, ent
 
@@ -85,11 +79,7 @@ def run_vocab(dev, v, args, impls):
     t = torch.randint(0, v, (n,), generator=g).to(dev.torch)
     g_lp = torch.randn(n, generator=g).to(dev.torch)
     g_ent = torch.randn(n, generator=g).to(dev.torch)
-    ref_lp, ref_ent, hf = reference(h, w, t)
-    lp, ent = torch_plain(hf, w.detach().float(), t)
-    torch.autograd.backward([lp, ent], [g_lp, g_ent])
-    ref = (ref_lp, ref_ent, hf.grad.detach())
-    del lp, ent, hf
+    ref = logprobs_reference(torch_plain, h, w, t, g_lp, g_ent)
     dev.empty_cache()
     rows = []
     for name, fn in impls:

@@ -45,3 +45,13 @@ def linear_reference_loss(e: torch.Tensor, c: torch.Tensor, t: torch.Tensor,
         x = e[r:r + chunk].float() @ cf.t()
         out[r:r + chunk] = F.cross_entropy(x, t[r:r + chunk], reduction="none")
     return out
+
+
+def logprobs_reference(plain, h: torch.Tensor, w: torch.Tensor, t: torch.Tensor,
+                       g_lp: torch.Tensor, g_ent: torch.Tensor):
+    """fp32 log-probs, entropy and dE from ``plain(h, w, t) -> (log_probs, entropy)`` on fp32
+    copies of h and w, backward under the upstream gradients ``g_lp`` and ``g_ent``."""
+    hf = h.detach().float().requires_grad_()
+    lp, ent = plain(hf, w.detach().float(), t)
+    torch.autograd.backward([lp, ent], [g_lp, g_ent])
+    return lp.detach(), ent.detach(), hf.grad.detach()

@@ -118,7 +118,8 @@ def measure_gather_stats(clock, group, n_rows: int, reps: int, warmup: int) -> f
     from vocab_parallel_loss import communication
 
     # the forward's send buffer: (4, N) statistics and the shard's shapes
-    stats = torch.randn(communication.stats_size(4, n_rows), dtype=torch.float32, device=clock.torch)
+    stats = torch.randn(communication.stats_size(4, n_rows), dtype=torch.float32,
+                        device=clock.torch)
 
     def gather():
         communication.gather_stats(stats, group)

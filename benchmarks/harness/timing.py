@@ -99,7 +99,8 @@ class Device:
         est = max(self.ms(a, b) / 5, 1e-3)
         for _ in range(max(1, int(warmup_ms / est))):
             fn()
-        return self.median_ms(timed_pairs(self, fn, max(MIN_REPS, int(rep_ms / est)), self.flush_l2))
+        reps = max(MIN_REPS, int(rep_ms / est))
+        return self.median_ms(timed_pairs(self, fn, reps, self.flush_l2))
 
     def host_us(self, fn: Callable[[], object], n: int, runs: int = 3) -> dict:
         """Host time per call (CPU timer, launches only) and wall time per call once synced:
@@ -213,7 +214,8 @@ def timed_fwd_bwd(dev: Device, forward: Callable[[], object], backward: Callable
 
 def fwd_bwd_medians(dev: Device, stamps: List[tuple]) -> Tuple[float, float, float]:
     """Median forward, backward and total ms of ``timed_fwd_bwd``'s stamps."""
-    return (dev.median_ms((a, b) for a, b, _ in stamps), dev.median_ms((b, c) for _, b, c in stamps),
+    return (dev.median_ms((a, b) for a, b, _ in stamps),
+            dev.median_ms((b, c) for _, b, c in stamps),
             dev.median_ms((a, c) for a, _, c in stamps))
 
 

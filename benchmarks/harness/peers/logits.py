@@ -72,7 +72,8 @@ class Context:
     """What adapters share in one process: the TP group (None: one GPU, no communication),
     megatron-core's TP group, and remarks for the report."""
 
-    def __init__(self, dev, group=None, megatron_group=None, notes: Optional[Dict[str, str]] = None):
+    def __init__(self, dev, group=None, megatron_group=None,
+                 notes: Optional[Dict[str, str]] = None):
         self.dev = dev
         self.group = group
         self._megatron_group = megatron_group
