@@ -30,8 +30,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
-from _common import Device  # noqa: E402
+from harness.env import environment, package_dir, use_checkout_package, version  # noqa: E402
+from harness.report import fmt, table, write_report  # noqa: E402
+from harness.timing import Device  # noqa: E402
 
 VARIANTS = ("transformers", "vocab_parallel_loss", "liger")
 
@@ -92,7 +93,7 @@ def _run_variant(args) -> dict:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except Exception as exc:  # not installed, or incompatible with this transformers
             return {**info, "skipped": f"liger-kernel not importable: {exc!r}"}
-        info["liger_kernel"] = getattr(liger_kernel, "__version__", None) or common.version("liger-kernel")
+        info["liger_kernel"] = getattr(liger_kernel, "__version__", None) or version("liger-kernel")
         # only the head: same model code otherwise, as for the other two variants
         apply_liger_kernel_to_llama(rope=False, rms_norm=False, swiglu=False, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
@@ -172,8 +173,8 @@ def _markdown(results, args, meta) -> str:
         if "error" in r or "skipped" in r:
             rows.append((r["variant"], r.get("error") or r.get("skipped"), "", "", "", ""))
             continue
-        rows.append((r["variant"], common.fmt(r.get("peak_gib"), ".2f", "n/a"),
-                     common.fmt(r.get("weights_and_base_gib"), ".2f", "n/a"),
+        rows.append((r["variant"], fmt(r.get("peak_gib"), ".2f", "n/a"),
+                     fmt(r.get("weights_and_base_gib"), ".2f", "n/a"),
                      f"{r['step_s_median']:.3f}", f"{r['tokens_per_s']:.0f}",
                      f"{r['first_loss']:.5f}"))
     env = next((r for r in results if "torch" in r), {})
@@ -183,7 +184,7 @@ def _markdown(results, args, meta) -> str:
         f"gradient checkpointing {'off' if args.no_grad_ckpt else 'on'}, forward+backward; "
         f"median of {args.steps} steps after {args.warmup} warm-up.",
         "",
-        *common.table(["variant", "peak memory (GiB)", "allocated before steps (GiB)", "step (s)",
+        *table(["variant", "peak memory (GiB)", "allocated before steps (GiB)", "step (s)",
                        "tokens/s", "first loss"], rows, "lrrrrr"),
         "",
         f"torch {env.get('torch')}, transformers {env.get('transformers')}, "
@@ -197,11 +198,11 @@ def main(argv=None):
     if args.variant:
         print("RESULT " + json.dumps(_run_variant(args)), flush=True)
         return
-    common.use_checkout_package()
+    use_checkout_package()
     # the variants measure the package this process imports (PYTHONPATH's, else the checkout's)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(common.package_dir().parent), os.environ.get("PYTHONPATH")]))}
-    meta = common.environment()
+        filter(None, [str(package_dir().parent), os.environ.get("PYTHONPATH")]))}
+    meta = environment()
     results = []
     passthrough = list(argv if argv is not None else sys.argv[1:])
     for variant in [v for v in args.variants.split(",") if v]:
@@ -221,7 +222,7 @@ def main(argv=None):
         results.append(r)
         print(json.dumps(r), flush=True)
     md = _markdown(results, args, meta)
-    common.write_report(Path(args.out_dir) / "results",
+    write_report(Path(args.out_dir) / "results",
                         {"meta": meta, "args": vars(args), "results": results}, md)
     print(md)
 

@@ -26,209 +26,34 @@ import sys
 import traceback
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
-from _common import Device  # noqa: E402
+from harness import env, plots  # noqa: E402
+from harness.errors import linear_reference_loss  # noqa: E402
+from harness.peers.linear import (  # noqa: E402
+    GiB, PEER_NOTES, PEERS, known, make_inputs, make_peer, make_step)
+from harness.report import front, table, write_report  # noqa: E402
+from harness.step import measure_with_grads  # noqa: E402
+from harness.timing import Device, interleaved  # noqa: E402
 
-common.use_checkout_package()
+env.use_checkout_package()
 
-from vocab_parallel_loss import linear_cross_entropy  # noqa: E402
-from vocab_parallel_loss.kernels import linear as K  # noqa: E402
+import linear_tuning as tuning  # noqa: E402
 from vocab_parallel_loss.kernels.linear import config as C  # noqa: E402
 from vocab_parallel_loss.kernels.linear import gemm as G  # noqa: E402
 
-GiB = 2**30
 DEV: Device = None  # main(): the GPU, or the CPU with --smoke-cpu (plumbing under TRITON_INTERPRET=1)
 
 
-def _bench(fn, warmup, rep):
-    return DEV.bench(fn, warmup, rep)
-
-
-# ----------------------------------------------------------------------------------- peers
-
-
-def make_ours(impl="triton", memory_budget=None, main_grad=False):
-    """Ours; with ``main_grad`` the weight's gradient is added into an fp32 ``c.main_grad``
-    (megatron-core's gradient-accumulation fusion): only dE is returned, and that buffer, which
-    such a trainer holds anyway, counts as an input."""
-    def fn(e, c, t, red):
-        if main_grad and getattr(c, "main_grad", None) is None:
-            c.main_grad = torch.zeros(c.shape, dtype=torch.float32, device=c.device)
-            c.grad_added_to_main_grad = False
-        return linear_cross_entropy(e, c, t, reduction=red, impl=impl,
-                                    memory_budget=memory_budget,
-                                    gradient_accumulation_fusion=main_grad), \
-            (e,) if main_grad else (e, c)
-    return fn
-
-
-def make_ours_strategy(strategy):
-    """Ours forced to one strategy (``LCEConfig.strategy``): ``saved`` (6NHV, the logits tiles
-    held until backward), ``grad_in_forward`` (scalar losses; 6NHV, fp32 dC) or ``recompute``
-    (8NHV, memory independent of V)."""
-    def fn(e, c, t, red):
-        if strategy == "grad_in_forward" and red == "none":
-            raise ValueError("grad_in_forward applies to scalar losses only")
-        saved = C.OVERRIDE_CONFIG
-        C.OVERRIDE_CONFIG = C.default_config(e.device).replace(strategy=strategy)
-        try:
-            return linear_cross_entropy(e, c, t, reduction=red, impl="triton"), (e, c)
-        finally:
-            C.OVERRIDE_CONFIG = saved
-    return fn
-
-
-def make_torch():
-    def fn(e, c, t, red):
-        return F.cross_entropy((e @ c.t()).float(), t, reduction=red), (e, c)
-    return fn
-
-
-def make_cce():
-    from cut_cross_entropy import linear_cross_entropy as cce
-
-    def fn(e, c, t, red):
-        return cce(e, c, t, reduction=red), (e, c)
-    return fn
-
-
-def make_liger():
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-
-    mods = {}
-
-    def fn(e, c, t, red):
-        if red not in mods:
-            mods[red] = LigerFusedLinearCrossEntropyLoss(reduction=red)
-        return mods[red](c, e, t), (e, c)
-    return fn
-
-
-PEER_NOTES = []  # what a peer needed to run here (printed with the table)
-
-
-def make_quack():
-    from quack.linear_cross_entropy import LinearCrossEntropy
-
-    mods = {}
-
-    def build(c, red, chunk):
-        m = LinearCrossEntropy(c.shape[1], c.shape[0], bias=False, reduction=red,
-                               chunk_size=chunk if red != "none" else None,
-                               device=c.device, dtype=c.dtype)
-        m.weight = torch.nn.Parameter(c.detach(), requires_grad=True)  # shares storage
-        return m
-
-    def fn(e, c, t, red):
-        key = (red, c.data_ptr())
-        if key not in mods:
-            m = build(c, red, 4096)
-            try:
-                m(e, t)
-            except ValueError as ex:
-                # quack 0.6.4 cannot tell a row vector from a column vector in its GEMM
-                # epilogue when the chunk's two sizes are equal (chunk 4096 at V=128256)
-                if "ambiguous" not in str(ex) or red == "none":
-                    raise
-                m = build(c, red, 8192)
-                PEER_NOTES.append(f"quack V={c.shape[0]} {red}: chunk_size 8192, not 4096 "
-                                  f"({str(ex)[:120]})")
-            mods[key] = m
-        m = mods[key]
-        return m(e, t), (e, m.weight)
-    return fn
-
-
-PEERS = {
-    "ours": make_ours,
-    "ours_saved": lambda: make_ours_strategy("saved"),
-    "ours_gif": lambda: make_ours_strategy("grad_in_forward"),
-    "ours_recompute": lambda: make_ours_strategy("recompute"),
-    "ours_torch_impl": lambda: make_ours("torch"),
-    "ours_main_grad": lambda: make_ours(main_grad=True),
-    "torch": make_torch,
-    "cce": make_cce,
-    "liger": make_liger,
-    "quack": make_quack,
-}
-
-
-def make_peer(name: str):
-    """``PEERS[name]``, or ``ours@G`` / ``ours_main_grad@G``: ours with ``memory_budget`` of G
-    GiB (a point of the time-memory front between the strategies)."""
-    base, _, budget = name.partition("@")
-    if budget and base in ("ours", "ours_main_grad"):
-        return make_ours(memory_budget=float(budget) * GiB, main_grad=base == "ours_main_grad")
-    return PEERS[name]()
-
-
-# ----------------------------------------------------------------------------------- helpers
-
-
-def reference_loss(e, c, t, chunk=2048):
-    """fp32 per-token loss from the materialized logits, in row chunks."""
-    out = torch.empty(t.shape[0], dtype=torch.float32, device=e.device)
-    cf = c.float()
-    for r in range(0, t.shape[0], chunk):
-        x = e[r:r + chunk].float() @ cf.t()
-        out[r:r + chunk] = F.cross_entropy(x, t[r:r + chunk], reduction="none")
-    return out
-
-
-def make_step(fn, e, c, t, red, up):
-    def step():
-        loss, leaves = fn(e, c, t, red)
-        g = up if red == "none" else None
-        return loss, torch.autograd.grad(loss, leaves, g)
-    return step
-
-
 def measure(fn, e, c, t, red, up, warmup, rep):
-    step = make_step(fn, e, c, t, red, up)
-    loss, grads = step()  # compile / autotune
-    del grads
-    DEV.sync()
-    # memory: second run, previous outputs freed; the gradients left behind are counted
-    DEV.empty_cache()
-    base = DEV.reset_peak()
-    loss, grads = step()
-    peak = (DEV.peak() or 0) - base
-    grad_bytes = sum(g.numel() * g.element_size() for g in grads)
-    loss_val = loss.detach().float().clone()
-    del grads, loss
-    ms = _bench(lambda: step(), warmup, rep)
-    return ms, peak, grad_bytes, loss_val
-
-
-def interleaved(steps: dict, rounds: int) -> dict:
-    """Median ms of each step over ``rounds`` rounds that time every step once in turn (L2
-    flushed before each), so that a drift of the GPU's clocks over the run moves every
-    implementation alike instead of whichever ran last."""
-    times = {key: [] for key in steps}
-    for _ in range(rounds):
-        for key, step in steps.items():
-            DEV.flush_l2()
-            a = DEV.stamp()
-            step()
-            times[key].append((a, DEV.stamp()))
-        DEV.sync()
-    return {key: DEV.median_ms(pairs) for key, pairs in times.items()}
+    return measure_with_grads(DEV, make_step(fn, e, c, t, red, up), warmup, rep)
 
 
 def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
     rows, notes = [], []
     for n, h, v in shapes:
         steps, shape_rows = {}, {}
-        g = torch.Generator(device=DEV.torch).manual_seed(0)
-        e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
-        c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
-        t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
-        up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
-        ref = reference_loss(e.detach(), c.detach(), t)
+        e, c, t, up = make_inputs(DEV.torch, n, h, v)
+        ref = linear_reference_loss(e.detach(), c.detach(), t)
         for name in impls:
             try:
                 fn = make_peer(name)
@@ -265,7 +90,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
                     steps[(name, red)] = make_step(fn, e, c, t, red, up)
                     shape_rows[(name, red)] = row
         if rounds and steps:
-            for key, ms in interleaved(steps, rounds).items():
+            for key, ms in interleaved(DEV, steps, rounds).items():
                 row = shape_rows[key]
                 row["ms_alone"] = row["ms"]
                 row.update(ms=round(ms, 3), tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
@@ -290,211 +115,24 @@ def markdown(rows, notes, meta):
                 if meta.get("gpu_lead_us") else "")
              + (f" ms: the median of {meta['rounds']} rounds that time every row once in turn."
                 if meta.get("rounds") else ""), "",
-             f"Our tile config: `{meta['config']}`", "",
-             "| V | reduction | impl | ms | TFLOP/s 6NHV | TFLOP/s 8NHV | peak extra GiB | "
-             "minus grads GiB | max loss err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (-r["v"], r["reduction"], r["ms"])):
-        lines.append(f"| {r['v']} | {r['reduction']} | {r['impl']} | {r['ms']:.2f} | "
-                     f"{r['tflops_6nhv']:.0f} | {r['tflops_8nhv']:.0f} | {r['peak_extra_GiB']:.3f} | "
-                     f"{r['peak_extra_minus_grads_GiB']:.3f} | {r['max_loss_err']:.2e} |")
+             f"Our tile config: `{meta['config']}`", ""]
+    lines += table(
+        ["V", "reduction", "impl", "ms", "TFLOP/s 6NHV", "TFLOP/s 8NHV", "peak extra GiB",
+         "minus grads GiB", "max loss err"],
+        [[r["v"], r["reduction"], r["impl"], f"{r['ms']:.2f}", f"{r['tflops_6nhv']:.0f}",
+          f"{r['tflops_8nhv']:.0f}", f"{r['peak_extra_GiB']:.3f}",
+          f"{r['peak_extra_minus_grads_GiB']:.3f}", f"{r['max_loss_err']:.2e}"]
+         for r in sorted(rows, key=lambda r: (-r["v"], r["reduction"], r["ms"]))])
     lines += ["", "Pareto front (time against peak extra memory less the gradients; every "
               "point that no other is both faster and leaner than):", ""]
-    for key, front in pareto(rows).items():
+    for key in sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1])):
+        group = [r for r in rows if (r["v"], r["reduction"]) == key]
         pts = ", ".join(f"{r['impl']} {r['ms']:.2f} ms / {r['peak_extra_minus_grads_GiB']:.2f} GiB"
-                        for r in front)
+                        for r in front(group, "peak_extra_minus_grads_GiB", "ms"))
         lines.append(f"- V={key[0]} {key[1]}: {pts}")
     if notes:
         lines += ["", "Notes:"] + [f"- {x}" for x in notes]
     return "\n".join(lines) + "\n"
-
-
-def pareto(rows) -> dict:
-    """``{(V, reduction): rows on the time-memory front, leanest first}``."""
-    out = {}
-    for key in sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1])):
-        front, best = [], None
-        group = [r for r in rows if (r["v"], r["reduction"]) == key]
-        for r in sorted(group, key=lambda r: (r["peak_extra_minus_grads_GiB"], r["ms"])):
-            if best is None or r["ms"] < best:
-                front.append(r)
-                best = r["ms"]
-        out[key] = front
-    return out
-
-
-def plot(report, path) -> None:
-    """Time against memory, one panel per vocabulary and reduction."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = report["rows"]
-    keys = sorted({(r["v"], r["reduction"]) for r in rows}, key=lambda k: (-k[0], k[1]))
-    if not keys:
-        return
-    fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.8), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        for r in (r for r in rows if (r["v"], r["reduction"]) == key):
-            ours = r["impl"].startswith("ours")
-            ax.scatter(r["peak_extra_minus_grads_GiB"], r["ms"], marker="o" if ours else "s",
-                       color="C0" if ours else "C1")
-            ax.annotate(r["impl"], (r["peak_extra_minus_grads_GiB"], r["ms"]), fontsize=7)
-        ax.set_xscale("symlog", linthresh=0.1)
-        ax.set_title(f"V={key[0]}, {key[1]}")
-        ax.set_xlabel("peak extra memory less gradients (GiB)")
-        ax.set_ylabel("fwd+bwd ms")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-# ----------------------------------------------------------------------------------- sweep
-
-# (config delta, reduction): "none" exercises the default 8NHV path; "mean" + grad_in_forward
-# the 6NHV path.
-SWEEP = [
-    {},
-    dict(chunk_bytes=256 << 20),
-    dict(strategy="grad_in_forward"),
-]
-SWEEP_TILES = [
-    {},
-    dict(fwd_block_v=128, bwd_block_v=128),
-    dict(fwd_stages=4, bwd_stages=4),
-    dict(fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
-    dict(fwd_block_v=128, fwd_warps=4, fwd_stages=4, bwd_block_v=128, bwd_warps=4, bwd_stages=4),
-    dict(matmul="triton"),
-    dict(chunk_bytes=256 << 20),
-    dict(split=1),
-    dict(split=8),
-    dict(split=16, fwd_group_n=8),
-    dict(fwd_group_n=8, bwd_group_n=16),
-    dict(strategy="grad_in_forward"),
-    dict(strategy="grad_in_forward", gif_rows=8192),
-    dict(strategy="grad_in_forward", gif_rows=2048),
-    dict(strategy="grad_in_forward", row_block=4096, row_warps=16),
-]
-# TMA descriptors for E and C in the fused kernels, the forward's flat loop, and tiles that let
-# two programs share a multiprocessor (one's softmax epilogue overlapping the other's matmul):
-# 128x128 with 4 warps and 3 stages is 96 KB of shared memory and 255 registers per thread.
-_D = dict(fwd_desc=True, bwd_desc=True)
-SWEEP_TMA = [
-    {},
-    _D,
-    dict(_D, fwd_flat=True),
-    dict(_D, fwd_flat=True, fwd_stages=4),
-    dict(_D, fwd_flat=True, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(_D, fwd_stages=4, bwd_stages=4),
-    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(_D, fwd_block_v=128, bwd_block_v=128),
-    dict(_D, fwd_block_n=256, fwd_block_v=128, bwd_block_n=256, bwd_block_v=128),
-    dict(fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4),
-    dict(fwd_block_v=128, bwd_block_v=128, fwd_warps=4, bwd_warps=4, fwd_group_n=8),
-    dict(_D, fwd_block_v=128, fwd_warps=4, bwd_block_v=128, bwd_warps=4, fwd_stages=4,
-         bwd_stages=4),
-]
-# the default against the pointer kernels and its nearest neighbours (run with a long --rep)
-SWEEP_TMA_AB = [
-    {},
-    dict(fwd_desc=False, bwd_desc=False, fwd_flat=False),
-    dict(fwd_stages=4),
-    dict(bwd_desc=False),
-    dict(fwd_flat=False),
-    dict(fwd_stages=4, bwd_stages=4),
-]
-# the forward's vocabulary splits per row block ({} = _forward_splits' choice); run at several
-# --n: 16384 rows once chose 5, 4096 rows 17, 65536 rows 2
-SWEEP_SPLIT = [{}] + [dict(split=s) for s in (2, 4, 5, 6, 7, 8, 9, 17)]
-# alternated twice: the current choice at 16384 rows (6 at V=128256, 7 at 16032) against a floor
-# of ceil(SMs / GROUP_N) = 9 splits (all programs in flight within one group of row blocks) and 17
-SWEEP_SPLIT_AB = [dict(split=s) for s in (6, 7, 9, 17) * 2]
-SWEEPS = {"modes": SWEEP, "tiles": SWEEP_TILES, "tma": SWEEP_TMA, "tma-ab": SWEEP_TMA_AB,
-          "split": SWEEP_SPLIT, "split-ab": SWEEP_SPLIT_AB}
-
-
-def sweep(n, h, v, warmup, rep, sweep_list):
-    g = torch.Generator(device=DEV.torch).manual_seed(0)
-    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16().requires_grad_()
-    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16().requires_grad_()
-    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
-    up = torch.rand(n, device=DEV.torch, generator=g) + 0.5
-    base = C.default_config(e.device)
-    results = []
-    ref = None  # the first config's per-token loss and gradients, to check every other one
-    for delta in sweep_list:
-        cfg = base.replace(**delta)
-        C.OVERRIDE_CONFIG = cfg
-        red = "mean" if delta.get("strategy") == "grad_in_forward" else "none"
-        try:
-            with torch.no_grad():  # forward statistics only (the gif path needs grad mode)
-                fwd_ms = _bench(
-                    lambda: linear_cross_entropy(e, c, t, reduction=red, impl="triton"),
-                    warmup, rep)
-            ms, peak, gbytes, _ = measure(make_ours(), e, c, t, red, up, warmup, rep)
-            loss = linear_cross_entropy(e, c, t, reduction="none", impl="triton")
-            got = (loss.detach(), *torch.autograd.grad(loss, (e, c), up))
-        except Exception as ex:
-            print(f"sweep {delta}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
-            continue
-        if ref is None:
-            ref = got
-        # relative to the largest entry: loss, dE, dC against the first config
-        diff = [round(((a.float() - b.float()).abs().max() / b.float().abs().max()).item(), 8)
-                for a, b in zip(got, ref)]
-        del got, loss
-        r = dict(delta=delta, reduction=red, fwd_split=K.forward_split(n, v, cfg, e.device)[0],
-                 fwd_ms=round(fwd_ms, 3), ms=round(ms, 3),
-                 fwd_tflops=round(2 * n * h * v / fwd_ms / 1e9, 1),
-                 bwd_tflops=round(6 * n * h * v / max(ms - fwd_ms, 1e-6) / 1e9, 1),
-                 tflops_8nhv=round(8 * n * h * v / ms / 1e9, 1),
-                 tflops_6nhv=round(6 * n * h * v / ms / 1e9, 1),
-                 peak_extra_minus_grads_GiB=round((peak - gbytes) / GiB, 3),
-                 rel_diff_loss_de_dc=diff)
-        print("sweep", json.dumps(r), flush=True)
-        results.append(r)
-    C.OVERRIDE_CONFIG = None
-    return results
-
-
-def phases(n, h, v, warmup, rep):
-    """Each step of the saved-tiles strategy timed alone, with cuBLAS's rate on the logits GEMM
-    (the floor's rate): where the time goes."""
-    g = torch.Generator(device=DEV.torch).manual_seed(0)
-    e = (torch.randn(n, h, device=DEV.torch, generator=g) * 0.5).bfloat16()
-    c = (torch.randn(v, h, device=DEV.torch, generator=g) * 0.02).bfloat16()
-    t = torch.randint(0, v, (n,), device=DEV.torch, generator=g)
-    cfg = C.default_config(e.device)
-    saved = K.saved_tiles(n, v, e.dtype, e.device, cfg)
-    stats = K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved)
-    lse = stats[0] + stats[1].log()
-    coef = torch.stack([lse, torch.full_like(lse, 1.0 / n), torch.full_like(lse, 1.0 / n),
-                        torch.zeros_like(lse), stats[2]])
-    de = torch.empty((n, h), dtype=e.dtype, device=e.device)
-    dc = torch.empty_like(c)
-    flops = 2 * n * h * v
-    steps = {
-        "cuBLAS logits e @ c.T (bf16 out)": (lambda: e @ c.t(), flops),
-        "forward statistics": (lambda: K.forward_stats(e, c, None, t, 0, None, False, config=cfg), flops),
-        "forward statistics + saved tiles": (
-            lambda: K.forward_stats(e, c, None, t, 0, None, False, config=cfg, saved=saved), flops),
-        "dz pass (in place)": (lambda: K.backward_saved(saved, e, c, False, t, 0, coef, None, False,
-                                                        False, e.dtype, cfg), 0),
-        "dE = dz @ c": (lambda: G.gemm_store(de, saved.u, c, cfg), flops),
-        "dC = dz.T @ e": (lambda: G.gemm_store(dc, saved.u.t(), e, cfg), flops),
-    }
-    for block, warps in ((1024, 4), (4096, 8), (4096, 16), (8192, 16)):  # the dz pass's tiles
-        other = cfg.replace(row_block=block, row_warps=warps)
-        steps[f"dz pass, row_block {block}, {warps} warps"] = (
-            lambda o=other: K.backward_saved(saved, e, c, False, t, 0, coef, None, False, False,
-                                             e.dtype, o), 0)
-    out = []
-    for name, (fn, fl) in steps.items():
-        ms = _bench(fn, warmup, rep)
-        r = dict(v=v, step=name, ms=round(ms, 3), tflops=round(fl / ms / 1e9, 1) if fl else None,
-                 gbps=round(n * v * e.element_size() * 2 / ms / 1e6, 1) if not fl else None)
-        print("phase", json.dumps(r), flush=True)
-        out.append(r)
-    return out
 
 
 # ----------------------------------------------------------------------------------- main
@@ -524,40 +162,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sweep-only", action="store_true")
     ap.add_argument("--phases", action="store_true",
                     help="time each step of the saved-tiles strategy first (--sweep-vocab)")
-    ap.add_argument("--sweep-set", default="modes", choices=list(SWEEPS),
+    ap.add_argument("--sweep-set", default="modes", choices=list(tuning.SWEEPS),
                     help="which list of config deltas --sweep runs")
     ap.add_argument("--warmup", type=int, default=25, help="ms of warm-up calls per measurement")
     ap.add_argument("--rep", type=int, default=200, help="ms of timed calls per measurement")
-    ap.add_argument("--out", default=str(common.RESULTS), help="folder of the .json and .md")
+    ap.add_argument("--out", default=str(env.RESULTS), help="folder of the .json and .md")
     ap.add_argument("--smoke-cpu", action="store_true",
                     help="plumbing check on CPU (set TRITON_INTERPRET=1; use tiny --n/--hidden/--vocab)")
     return ap.parse_args(argv)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def sweep_markdown(sweep_rows) -> str:
-    lines = ["", "Sweep (ours; fwd = no-grad forward):", ""]
-    lines += common.table(
-        ["V", "delta", "reduction", "fwd ms", "fwd+bwd ms", "fwd TFLOP/s", "bwd TFLOP/s",
-         "6NHV TFLOP/s", "8NHV TFLOP/s", "extra GiB", "rel. diff loss, dE, dC vs first"],
-        [(r["v"], f"`{json.dumps(r['delta'])}`", r["reduction"], r["fwd_ms"], r["ms"],
-          r["fwd_tflops"], r["bwd_tflops"], r["tflops_6nhv"], r["tflops_8nhv"],
-          r["peak_extra_minus_grads_GiB"], r.get("rel_diff_loss_de_dc")) for r in sweep_rows])
-    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     for name in args.impls:
         base, _, budget = name.partition("@")
-        if name not in PEERS and not (base in ("ours", "ours_main_grad") and _is_number(budget)):
+        if not known(name):
             raise SystemExit(f"--impls: unknown {name!r}")
     global DEV
     DEV = Device("cpu" if args.smoke_cpu else "cuda", gpu_lead_us=args.gpu_lead_us)
@@ -568,8 +187,8 @@ def main(argv=None) -> dict:
     if args.sweep or args.sweep_only:
         for sv in args.sweep_vocab:
             sweep_rows += [dict(r, v=sv) for r in
-                           sweep(args.n, args.hidden, sv, args.warmup, args.rep,
-                                 SWEEPS[args.sweep_set])]
+                           tuning.sweep(DEV, args.n, args.hidden, sv, args.warmup, args.rep,
+                                        tuning.SWEEPS[args.sweep_set])]
         plain = [r for r in sweep_rows if r["reduction"] == "none"]
         # the table's "ours" uses the best default-path config; ours_gif adds gif
         if plain and len(args.sweep_vocab) == 1:
@@ -579,10 +198,10 @@ def main(argv=None) -> dict:
     phase_rows = []
     if args.phases:
         for sv in args.sweep_vocab:
-            phase_rows += phases(args.n, args.hidden, sv, args.warmup, args.rep)
+            phase_rows += tuning.phases(DEV, args.n, args.hidden, sv, args.warmup, args.rep)
     cfg = C.default_config(dev)
     now = datetime.datetime.now(datetime.timezone.utc)
-    meta = dict(common.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
+    meta = dict(env.environment(DEV), time=f"{now:%Y-%m-%d %H:%M} UTC",
                 config=dataclasses.asdict(cfg), cublas_fp32_out=dict(G.TORCH_DTYPE_MM),
                 gpu_lead_us=args.gpu_lead_us, rounds=args.rounds)
     if args.smoke_cpu:
@@ -593,14 +212,12 @@ def main(argv=None) -> dict:
         rows, notes = run_table(shapes, args.impls, args.reductions, args.warmup, args.rep,
                                 cfg, args.rounds)
     meta["cublas_fp32_out"] = dict(G.TORCH_DTYPE_MM)  # after use: False where it fell back
-    md = markdown(rows, notes, meta) + (sweep_markdown(sweep_rows) if sweep_rows else "")
+    md = markdown(rows, notes, meta) + (tuning.sweep_markdown(sweep_rows) if sweep_rows else "")
     if phase_rows:
-        md += "\n".join(["", "Steps of the saved-tiles strategy, each alone:", ""] + common.table(
-            ["V", "step", "ms", "TFLOP/s", "GB/s (read + write)"],
-            [(r["v"], r["step"], r["ms"], r["tflops"], r["gbps"]) for r in phase_rows])) + "\n"
+        md += tuning.phases_markdown(phase_rows)
     stem = Path(args.out) / f"linear_{meta['device'].replace(' ', '_').lower()}_{now:%Y%m%d-%H%M}"
     report = dict(meta=meta, rows=rows, notes=notes, sweep=sweep_rows, phases=phase_rows)
-    written = common.write_report(stem, report, md, plot=plot if rows else None)
+    written = write_report(stem, report, md, plot=plots.linear_front if rows else None)
     print(md)
     print(f"wrote {', '.join(str(p) for p in written)}")
     return report

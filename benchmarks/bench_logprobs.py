@@ -24,114 +24,24 @@ TRITON_INTERPRET=1 there).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import traceback
-import types
 from pathlib import Path
 
 import torch
-import torch.utils.checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
-from _common import Device  # noqa: E402
+from harness import env  # noqa: E402
+from harness.errors import logprobs_reference, max_abs_diff, rel_max_diff  # noqa: E402
+from harness.peers.logprobs import (  # noqa: E402
+    GiB, TEMPERATURE, load_liger, load_verl, ours, ours_at, torch_chunked, torch_plain)
+from harness.report import fmt, table, write_report  # noqa: E402
+from harness.timing import Device  # noqa: E402
 
-common.use_checkout_package()
-
-from vocab_parallel_loss import linear_token_logprobs  # noqa: E402
-
-GiB = 2**30
-TEMPERATURE = 0.9
-
-
-# ----------------------------------------------------------------------------------- peers
-def ours(h, w, t, memory_budget=None):
-    out = linear_token_logprobs(h, w, t, temperature=TEMPERATURE, return_entropy=True,
-                                memory_budget=memory_budget)
-    return out.log_probs, out.entropy
-
-
-def ours_at(gib):
-    """Ours under ``memory_budget`` = ``gib`` GiB (the default budget is the ``ours`` row)."""
-    return f"ours @{gib:g} GiB", lambda h, w, t: ours(h, w, t, int(gib * GiB))
-
-
-def torch_plain(h, w, t):
-    x = (h @ w.t()).float() / TEMPERATURE
-    ls = x.log_softmax(-1)
-    return ls.gather(-1, t[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
-
-
-def _chunk(h, w, t):
-    return torch_plain(h, w, t)
-
-
-def torch_chunked(h, w, t, rows=1024):
-    """TRL-style: row chunks, each recomputed in backward (activation checkpointing)."""
-    lps, ents = [], []
-    for r0 in range(0, h.shape[0], rows):
-        lp, ent = torch.utils.checkpoint.checkpoint(_chunk, h[r0:r0 + rows], w, t[r0:r0 + rows],
-                                                    use_reentrant=False)
-        lps.append(lp)
-        ents.append(ent)
-    return torch.cat(lps), torch.cat(ents)
-
-
-def load_verl(verl_dir):
-    """verl's ``linear_cross_entropy`` from an unpacked wheel, with ``verl.utils.device``
-    stubbed (the real one imports verl's platform plugins)."""
-    root = Path(verl_dir) / "verl" / "utils" / "kernel"
-    for name in ("verl", "verl.utils", "verl.utils.kernel"):
-        sys.modules.setdefault(name, types.ModuleType(name)).__path__ = []
-    sys.modules["verl.utils.kernel"].__path__ = [str(root)]
-    device = types.ModuleType("verl.utils.device")
-    device.get_device_capability = lambda: torch.cuda.get_device_capability()
-    device.get_device_name = lambda: "cuda"
-    device.is_cuda_available = torch.cuda.is_available()
-    device.get_torch_device = lambda: torch.cuda
-    sys.modules["verl.utils.device"] = device
-    mods = {}
-    for name in ("kernels", "linear_cross_entropy"):
-        spec = importlib.util.spec_from_file_location(f"verl.utils.kernel.{name}", root / f"{name}.py")
-        mods[name] = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mods[name]
-        spec.loader.exec_module(mods[name])
-    fn = mods["linear_cross_entropy"].linear_cross_entropy
-
-    def verl(h, w, t):
-        return fn(h, w, t, TEMPERATURE, "none", None)
-    return verl
-
-
-def load_liger():
-    """Liger's fused linear scaled cross entropy: its Hopper CuTe kernel where the CUTLASS DSL
-    imports, else its own chunked PyTorch fallback (what Liger itself runs then)."""
-    from liger_kernel.ops import fused_linear_scaled_cross_entropy as lsce
-
-    try:
-        impl = lsce._resolve_implementation(torch.device("cuda"))
-    except ImportError:
-        impl = lsce._FusedLinearPPOFallbackFunction
-    if impl is lsce._FusedLinearPPOFallbackFunction:
-        def liger(h, w, t):
-            nll, ent = impl.apply(h, w, t, TEMPERATURE, -100, True)
-            return -nll, ent
-        return "liger (its PyTorch fallback: no CUTLASS DSL)", liger
-
-    def liger(h, w, t):
-        nll, ent = impl.apply(h, w, t, TEMPERATURE, -100, 1, True)
-        return -nll, ent
-    return "liger", liger
+env.use_checkout_package()
 
 
 # ----------------------------------------------------------------------------------- measure
-def reference(h, w, t):
-    hf, wf = h.detach().float().requires_grad_(), w.detach().float()
-    lp, ent = torch_plain(hf, wf, t)
-    return lp.detach(), ent.detach(), hf
-
-
 def measure(dev, name, fn, h, w, t, g_lp, g_ent, ref, args):
     row = {"impl": name}
     try:
@@ -140,15 +50,13 @@ def measure(dev, name, fn, h, w, t, g_lp, g_ent, ref, args):
             torch.autograd.backward([lp, ent], [g_lp, g_ent])
             return lp, ent
         h.grad = w.grad = None
-        base = dev.reset_peak()
-        lp, ent = step()
-        peak = dev.peak()
+        (lp, ent), peak = dev.peak_during(step)
         grads = (h.grad.numel() * h.grad.element_size() + w.grad.numel() * w.grad.element_size())
-        row["extra_gib"] = None if peak is None else (peak - base - grads) / GiB
+        row["extra_gib"] = None if peak is None else (peak - grads) / GiB
         ref_lp, ref_ent, ref_de = ref
-        row["err_logp"] = (lp.float() - ref_lp).abs().max().item()
-        row["err_entropy"] = (ent.float() - ref_ent).abs().max().item()
-        row["err_de_rel"] = ((h.grad.float() - ref_de).abs().max() / ref_de.abs().max()).item()
+        row["err_logp"] = max_abs_diff(lp, ref_lp)
+        row["err_entropy"] = max_abs_diff(ent, ref_ent)
+        row["err_de_rel"] = rel_max_diff(h.grad, ref_de)
         del lp, ent
 
         def timed():
@@ -157,7 +65,7 @@ def measure(dev, name, fn, h, w, t, g_lp, g_ent, ref, args):
         row["ms"] = dev.bench(timed, args.warmup, args.rep)
     except Exception as e:  # noqa: BLE001 - a failing peer is reported, not fatal
         row["error"] = f"{type(e).__name__}: {e}"
-        common.log(traceback.format_exc(limit=3))
+        env.log(traceback.format_exc(limit=3))
     dev.empty_cache()
     return row
 
@@ -171,19 +79,15 @@ def run_vocab(dev, v, args, impls):
     t = torch.randint(0, v, (n,), generator=g).to(dev.torch)
     g_lp = torch.randn(n, generator=g).to(dev.torch)
     g_ent = torch.randn(n, generator=g).to(dev.torch)
-    ref_lp, ref_ent, hf = reference(h, w, t)
-    lp, ent = torch_plain(hf, w.detach().float(), t)
-    torch.autograd.backward([lp, ent], [g_lp, g_ent])
-    ref = (ref_lp, ref_ent, hf.grad.detach())
-    del lp, ent, hf
+    ref = logprobs_reference(torch_plain, h, w, t, g_lp, g_ent)
     dev.empty_cache()
     rows = []
     for name, fn in impls:
-        common.log(f"V={v} {name}")
+        env.log(f"V={v} {name}")
         r = measure(dev, name, fn, h, w, t, g_lp, g_ent, ref, args)
         r["vocab"] = v
         rows.append(r)
-        common.log(f"  {r}")
+        env.log(f"  {r}")
     return rows
 
 
@@ -200,14 +104,14 @@ def markdown(report):
         ok = [r["ms"] for r in rows if "ms" in r and not r["impl"].startswith("ours")]
         best = min(ok) if ok else None
         lines += [f"## V = {v}", ""]
-        lines += common.table(
+        lines += table(
             ["impl", "ms", "fastest peer / this", "extra GiB", "err log-p", "err entropy",
              "err dE (rel)"],
-            [[r["impl"], common.fmt(r.get("ms"), ".2f", "-"),
-              common.fmt(best / r["ms"] if best and "ms" in r else None, ".2f", "-"),
-              common.fmt(r.get("extra_gib"), ".2f", "-"), common.fmt(r.get("err_logp"), ".1e", "-"),
-              common.fmt(r.get("err_entropy"), ".1e", "-"),
-              common.fmt(r.get("err_de_rel"), ".1e", r.get("error", "-"))] for r in rows],
+            [[r["impl"], fmt(r.get("ms"), ".2f", "-"),
+              fmt(best / r["ms"] if best and "ms" in r else None, ".2f", "-"),
+              fmt(r.get("extra_gib"), ".2f", "-"), fmt(r.get("err_logp"), ".1e", "-"),
+              fmt(r.get("err_entropy"), ".1e", "-"),
+              fmt(r.get("err_de_rel"), ".1e", r.get("error", "-"))] for r in rows],
             "lrrrrrr")
         lines.append("")
     return "\n".join(lines)
@@ -224,7 +128,7 @@ def main():
     ap.add_argument("--skip", nargs="*", default=[], help="implementations to leave out")
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=200)
-    ap.add_argument("--out", default=str(common.RESULTS / "logprobs_h200"))
+    ap.add_argument("--out", default=str(env.RESULTS / "logprobs_h200"))
     ap.add_argument("--smoke-cpu", action="store_true")
     args = ap.parse_args()
     if args.smoke_cpu:
@@ -235,21 +139,21 @@ def main():
         try:
             impls.append(("verl", load_verl(args.verl_dir)))
         except Exception as e:  # noqa: BLE001
-            common.log(f"verl not loaded: {type(e).__name__}: {e}")
+            env.log(f"verl not loaded: {type(e).__name__}: {e}")
     if not args.smoke_cpu:
         try:
             impls.append(load_liger())
         except Exception as e:  # noqa: BLE001
-            common.log(f"liger not loaded: {type(e).__name__}: {e}")
+            env.log(f"liger not loaded: {type(e).__name__}: {e}")
     impls += [("torch chunked (TRL-style)", torch_chunked), ("torch", torch_plain)]
     impls = [(k, f) for k, f in impls if k not in args.skip]
     rows = []
     for v in args.vocab:
         rows += run_vocab(dev, v, args, impls)
-    meta = dict(common.environment(dev), n=args.n, hidden=args.hidden, vocab=args.vocab)
+    meta = dict(env.environment(dev), n=args.n, hidden=args.hidden, vocab=args.vocab)
     report = {"meta": meta, "rows": rows}
-    for path in common.write_report(Path(args.out), report, markdown(report)):
-        common.log(f"wrote {path}")
+    for path in write_report(Path(args.out), report, markdown(report)):
+        env.log(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -36,31 +36,26 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
-import importlib
+import functools
 import math
 import os
-import statistics
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict
 
-# NVLink multicast stays off, whatever launched us; read when NCCL creates a communicator
-for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
-               ("NVSHMEM_DISABLE_NVLS", "1")):
-    os.environ.setdefault(_k, _v)
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as tdist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _common as common  # noqa: E402
-from _common import Device  # noqa: E402
+from harness import dist, env, plots, probes  # noqa: E402
+from harness.peers.logits import IMPLS, Case, Context, allow_many_graphs  # noqa: E402
+from harness.report import finite, fmt, pct, ratio, reason, table, write_report  # noqa: E402
+from harness.step import measure_aligned  # noqa: E402
+from harness.timing import Device  # noqa: E402
 
-common.use_checkout_package()
-
-from vocab_parallel_loss import communication, cross_entropy  # noqa: E402
+dist.no_multicast()  # NVLink multicast off, whatever launched us (read when NCCL makes a group)
+env.use_checkout_package()
 
 TARGET = 0.05  # the collective adds <= 5 % over the single-shard kernel time at TP = 8
 ALL_IMPLS = ["ours", "megatron_native", "megatron_fused", "te"]
@@ -98,190 +93,33 @@ def parse_args(argv=None):
     a.reps = a.reps or (2 if smoke else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if smoke else 3)
     if a.out_dir is None:
-        a.out_dir = common.RESULTS / f"scaling-{datetime.datetime.utcnow():%Y%m%d}"
+        a.out_dir = env.RESULTS / f"scaling-{datetime.datetime.utcnow():%Y%m%d}"
     return a
 
 
-def init(args):
-    """torch.distributed from torchrun's environment: nccl on GPU, gloo on CPU (or --cpu-smoke)."""
-    for k, v in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"),
-                 ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
-        os.environ.setdefault(k, v)
-    use_cuda = torch.cuda.is_available() and not args.cpu_smoke
-    if use_cuda:
-        dev = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev, timeout=datetime.timedelta(minutes=10))
-    else:
-        dev = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-    return dev
-
-
-def tp_sizes(args, world: int) -> List[int]:
-    if args.tp:
-        sizes = sorted({int(t) for t in args.tp.split(",")})
-        bad = [t for t in sizes if t < 1 or world % t]
-        if bad:
-            raise SystemExit(f"--tp {bad}: each TP size must divide the world size {world}")
-        return sizes
-    sizes, t = [], 1
-    while t <= world:
-        if world % t == 0:
-            sizes.append(t)
-        t *= 2
-    return sorted(set(sizes) | {world})
-
-
-class Clock(Device):
-    """The benchmarks' clock, with every rank of the world aligned before each timed rep."""
-
-    def __init__(self, dev: torch.device):
-        super().__init__(dev)
-        self._one = torch.zeros(1, device=self.torch)
-
-    def align(self) -> None:
-        """Evict L2, then line every rank of the world up (all sub-groups start together)."""
-        self.flush_l2()
-        dist.all_reduce(self._one)
-        self.sync()
-
-
-# ----------------------------------------------------------------------------- implementations
-# make(ctx) -> fn(x (N, V_local), target (N,) global ids) -> per-token fp32 loss (N,)
-def _ours(ctx):
-    g = ctx["group"]
-    return lambda x, t: cross_entropy(x, t, tp_group=g, reduction="none")
-
-
-def _megatron_native(ctx):
-    from megatron.core import tensor_parallel
-
-    # [s, b, v] logits, [s, b] targets, TP group from parallel_state; it works in place on its
-    # input (the caller restores the logits before every rep)
-    return lambda x, t: tensor_parallel.vocab_parallel_cross_entropy(
-        x.unsqueeze(1), t.unsqueeze(1)).reshape(-1)
-
-
-def _megatron_fused(ctx):
-    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
-
-    g = ctx["megatron_group"]
-    return lambda x, t: fused_vocab_parallel_cross_entropy(x.unsqueeze(1), t.unsqueeze(1), g).reshape(-1)
-
-
-def _te(ctx):
-    try:
-        from transformer_engine.pytorch import parallel_cross_entropy
-    except ImportError:
-        # TE's Triton loss extracted unchanged into the te-triton-ce wheel (no TE C++ wheel for
-        # every torch / CUDA)
-        from te_triton_ce import parallel_cross_entropy
-    g = ctx["group"]
-    return lambda x, t: parallel_cross_entropy(x.unsqueeze(0), t.unsqueeze(0), 0.0, False, g).reshape(-1)
-
-
-MAKERS: Dict[str, Callable] = {"ours": _ours, "megatron_native": _megatron_native,
-                               "megatron_fused": _megatron_fused, "te": _te}
-PACKAGES = {"ours": "vocab_parallel_loss", "megatron_native": "megatron-core",
-            "megatron_fused": "megatron-core", "te": "transformer-engine"}
-
-
-def all_agree(ok: bool, dev) -> bool:
-    """True on every rank iff ``ok`` on every rank (decisions that gate collectives must agree)."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=dev)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() == 1.0)
-
-
-def over_ranks(values: List[float], dev) -> Dict[str, List[float]]:
-    """Max and min over all ranks of each value (NaN for a rank that has none)."""
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
-    hi, lo = t.clone(), t.clone()
-    hi = torch.nan_to_num(hi, nan=-math.inf)
-    lo = torch.nan_to_num(lo, nan=math.inf)
-    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
-    return {"max": hi.tolist(), "min": lo.tolist()}
-
-
 # ------------------------------------------------------------------------------------- timing
-def time_loss(fn, master, target, upstream, clock: Clock, reps: int, warmup: int):
-    """Median fwd / bwd / total ms of ``fn`` on fresh copies of ``master``, and its last loss."""
-    x = master.clone().requires_grad_()
-    fwd, bwd, tot = [], [], []
-    loss_out = None
-    for i in range(warmup + reps):
-        with torch.no_grad():
-            x.copy_(master)  # peers that work in place on their input get the same logits
-        clock.align()
-        a = clock.stamp()
-        loss = fn(x, target)
-        b = clock.stamp()
-        (grad,) = torch.autograd.grad(loss, x, upstream.to(loss.dtype).reshape(loss.shape))
-        c = clock.stamp()
-        clock.sync()
-        if i >= warmup:
-            fwd.append(clock.ms(a, b))
-            bwd.append(clock.ms(b, c))
-            tot.append(clock.ms(a, c))
-        loss_out = loss.detach().float().reshape(-1)
-        del loss, grad
-    del x
-    return statistics.median(fwd), statistics.median(bwd), statistics.median(tot), loss_out
-
-
-def time_collective(group, n_rows: int, dev, clock: Clock, reps: int, warmup: int) -> float:
-    # the forward's send buffer: (4, N) statistics and the shard's shapes
-    stats = torch.randn(communication.stats_size(4, n_rows), dtype=torch.float32, device=dev)
-    ts = []
-    for i in range(warmup + reps):
-        clock.align()
-        a = clock.stamp()
-        communication.gather_stats(stats, group)
-        b = clock.stamp()
-        clock.sync()
-        if i >= warmup:
-            ts.append(clock.ms(a, b))
-    return statistics.median(ts)
+def impl_fn(name: str, ctx: Context, case: Case):
+    """The peer's per-token fp32 loss ``fn(x (N, V_local), target (N,) global ids)``."""
+    fn = IMPLS[name].make(ctx)
+    return lambda x, t: fn(x, t, "none", case).reshape(-1)
 
 
 # -------------------------------------------------------------------------------------- main
-def megatron_init(tp: int, notes: Dict[str, str], dev):
-    """parallel_state for this TP size on every rank; its TP group, or None (with a note)."""
-    err = None
-    try:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
-        group = parallel_state.get_tensor_model_parallel_group()
-    except Exception as e:  # noqa: BLE001 - any failure: skip the megatron peers with a note
-        err, group = f"{type(e).__name__}: {e}", None
-    if not all_agree(err is None, dev):
-        notes[f"megatron_tp{tp}"] = f"megatron-core parallel_state failed at TP={tp}: {err or 'on another rank'}"
-        return None
-    return group
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dev = init(args)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    clock = Clock(dev)
+    dev = dist.init_torchrun(args.cpu_smoke)
+    rank, world = tdist.get_rank(), tdist.get_world_size()
+    clock = dist.AlignedDevice(dev)
     try:  # megatron's fused loss is torch.compile'd: one graph per shape, more than the default
-        dyn = importlib.import_module("torch._dynamo").config
-        dyn.cache_size_limit = max(dyn.cache_size_limit, 64)
-        dyn.accumulated_cache_size_limit = max(dyn.accumulated_cache_size_limit, 512)
+        allow_many_graphs()
     except Exception:  # noqa: BLE001
         pass
 
-    sizes = tp_sizes(args, world)
+    sizes = dist.tp_sizes(args.tp, world)
     # every rank creates every sub-group (collective), keeping its own
     groups = {}
     for t in sizes:
-        groups[t] = dist.group.WORLD if t == world else dist.new_subgroups(group_size=t)[0]
+        groups[t] = tdist.group.WORLD if t == world else tdist.new_subgroups(group_size=t)[0]
 
     notes: Dict[str, str] = {}
     if "te" in args.impls and dev.type != "cuda":
@@ -298,7 +136,7 @@ def main(argv=None) -> int:
         # megatron's parallel_state once per TP size (it creates a dozen process groups)
         mg_group = None
         if any(i.startswith("megatron") for i in args.impls):
-            mg_group = megatron_init(t, notes, dev)
+            mg_group = dist.megatron_agreed_group(t, notes, dev)
         for v in args.vocab:
             group = groups[t]
             v_local = -(-v // t)  # V padded up to a multiple of TP, as Megatron pads it
@@ -308,12 +146,15 @@ def main(argv=None) -> int:
             upstream = torch.rand(n, generator=gen).to(dev) + 0.5
             gen_x = torch.Generator(device=dev).manual_seed(17 * (rank + 1) + v)
             master = torch.randn(n, v_local, generator=gen_x, device=dev, dtype=dtype).mul_(2)
-            ctx = {"group": group, "megatron_group": None}
+            # megatron_fused's remark on its jit_fuser is not part of this report
+            ctx = Context(clock, group, mg_group, notes={})
+            case = Case(n, v_local)
             rows = []
 
             def run(label, impl, fn, master_, target_, extra=None):
                 try:
-                    f, b, tot, loss = time_loss(fn, master_, target_, upstream, clock, args.reps, args.warmup)
+                    f, b, tot, loss = measure_aligned(clock, fn, master_, target_, upstream, args.reps,
+                                                      args.warmup)
                     ok, err = True, None
                 except Exception as e:  # noqa: BLE001
                     f = b = tot = math.nan
@@ -325,10 +166,10 @@ def main(argv=None) -> int:
                 return ok
 
             # ours on the TP group, then the same shard alone (the single-shard kernel time)
-            run("ours", "ours", _ours(ctx), master, target)
-            run("kernel", "ours", _ours({"group": None}), master, target % v_local,
+            run("ours", "ours", impl_fn("ours", ctx, case), master, target)
+            run("kernel", "ours", impl_fn("ours", Context(clock), case), master, target % v_local,
                 extra={"note": "tp_group=None on the local shard"})
-            coll = time_collective(group, n, dev, clock, args.reps, args.warmup)
+            coll = probes.measure_gather_stats(clock, group, n, args.reps, args.warmup)
 
             for impl in args.impls:
                 if impl == "ours":
@@ -338,13 +179,12 @@ def main(argv=None) -> int:
                     continue
                 if impl == "te" and dev.type != "cuda":
                     continue
-                ctx["megatron_group"] = mg_group
                 err = None
                 try:
-                    fn = MAKERS[impl](ctx)
+                    fn = impl_fn(impl, ctx, case)
                 except Exception as e:  # noqa: BLE001 - mostly ImportError
-                    err, fn = f"{type(e).__name__}: {e}", None
-                if not all_agree(err is None, dev):
+                    err, fn = reason(e), None
+                if not dist.all_agree(err is None, dev):
                     notes[impl] = f"skipped: {err or 'failed on another rank'}"
                     continue
                 run(impl, impl, fn, master, target)
@@ -358,26 +198,26 @@ def main(argv=None) -> int:
                     diff = float((r["loss"] - ours_loss).abs().max())
                 per_rank += [r["fwd"], r["bwd"], r["total"], diff]
             per_rank.append(coll)
-            agg = over_ranks(per_rank, dev)
+            agg = dist.over_ranks(per_rank, dev)
             hi, lo = agg["max"], agg["min"]
             entry_rows = []
             for i, r in enumerate(rows):
                 fw, bw, tt, df = hi[4 * i:4 * i + 4]
                 entry_rows.append(dict(
                     vocab=v, tp=t, v_local=v_local, tokens_per_rank=n, impl=r["label"],
-                    fwd_ms=_num(fw), bwd_ms=_num(bw), total_ms=_num(tt),
-                    total_ms_min_rank=_num(lo[4 * i + 2]),
-                    max_abs_loss_diff_vs_ours=_num(df) if r["label"] not in ("ours", "kernel") else None,
+                    fwd_ms=finite(fw), bwd_ms=finite(bw), total_ms=finite(tt),
+                    total_ms_min_rank=finite(lo[4 * i + 2]),
+                    max_abs_loss_diff_vs_ours=finite(df) if r["label"] not in ("ours", "kernel") else None,
                     error=r["error"], note=r.get("note")))
             coll_ms = hi[-1]
             report["results"] += entry_rows
             by = {e["impl"]: e for e in entry_rows}
             kernel, ours = by["kernel"]["total_ms"], by["ours"]["total_ms"]
             sc = dict(vocab=v, tp=t, v_local=v_local, tokens_per_rank=n,
-                      kernel_single_shard_ms=kernel, ours_tp_ms=ours, collective_ms=_num(coll_ms),
-                      collective_share_of_total=_ratio(coll_ms, ours),
-                      collective_over_kernel=_ratio(coll_ms, kernel),
-                      tp_overhead_end_to_end=(_ratio(ours, kernel) - 1) if _ratio(ours, kernel) is not None else None)
+                      kernel_single_shard_ms=kernel, ours_tp_ms=ours, collective_ms=finite(coll_ms),
+                      collective_share_of_total=ratio(coll_ms, ours),
+                      collective_over_kernel=ratio(coll_ms, kernel),
+                      tp_overhead_end_to_end=(ratio(ours, kernel) - 1) if ratio(ours, kernel) is not None else None)
             sc["meets_target"] = (None if t == 1 or sc["collective_over_kernel"] is None
                                   else bool(sc["collective_over_kernel"] <= TARGET))
             for impl in args.impls[1:]:
@@ -385,26 +225,18 @@ def main(argv=None) -> int:
                     sc[f"{impl}_over_ours"] = by[impl]["total_ms"] / ours
             report["scaling"].append(sc)
             del master
-            gc.collect()
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+            clock.empty_cache()
             if rank == 0:
                 print(f"V={v} TP={t}: ours {ours} ms, kernel {kernel} ms, collective {coll_ms:.4f} ms "
-                      f"({_fmt_pct(sc['collective_over_kernel'])} of the kernel)", flush=True)
+                      f"({pct(sc['collective_over_kernel'])} of the kernel)", flush=True)
                 write(_sorted(report), out_dir, final=False)
-    try:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            parallel_state.destroy_model_parallel()
-    except Exception:  # noqa: BLE001
-        pass
+    dist.megatron_teardown()
     if rank == 0:
         write(_sorted(report), out_dir, final=True)
         print(f"bench_scaling: wrote {out_dir}/scaling.json on {world} ranks ({dev.type}, "
-              f"{dist.get_backend()})", flush=True)
-    dist.barrier()
-    dist.destroy_process_group()
+              f"{tdist.get_backend()})", flush=True)
+    tdist.barrier()
+    dist.close()
     return 0
 
 
@@ -415,29 +247,15 @@ def _sorted(report: dict) -> dict:
                 scaling=sorted(report["scaling"], key=key))
 
 
-def _num(x) -> Optional[float]:
-    return None if x is None or not math.isfinite(x) else float(x)
-
-
-def _ratio(a, b) -> Optional[float]:
-    if a is None or b is None or not math.isfinite(a) or not math.isfinite(b) or b <= 0:
-        return None
-    return a / b
-
-
-def _fmt_pct(x) -> str:
-    return "n/a" if x is None else f"{100 * x:.1f}%"
-
-
 def meta(args, dev, world, sizes) -> dict:
-    env = common.environment(Device(dev, flush="none"))
+    env_ = env.environment(Device(dev, flush="none"))
     return dict(
-        env,
-        date_utc=env["time_utc"],
-        device_type=dev.type, backend=dist.get_backend(), world_size=world, tp_sizes=sizes,
+        env_,
+        date_utc=env_["time_utc"],
+        device_type=dev.type, backend=tdist.get_backend(), world_size=world, tp_sizes=sizes,
         vocab=args.vocab, tokens_per_rank=args.tokens, dtype="bf16", reps=args.reps,
         warmup=args.warmup, cpu_smoke=bool(args.cpu_smoke), impls=args.impls,
-        versions={"torch": torch.__version__, **{p: common.version(p) for p in sorted(set(PACKAGES.values()))}},
+        versions={"torch": torch.__version__, **{p: env.version(p) for p in sorted({IMPLS[i].package for i in ALL_IMPLS})}},
         triton_interpret=os.environ.get("TRITON_INTERPRET"),
         env={k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
                                             "NVSHMEM_DISABLE_NVLS")},
@@ -452,13 +270,10 @@ def meta(args, dev, world, sizes) -> dict:
 
 def write(report: dict, out_dir: Path, final: bool) -> None:
     """scaling.json and scaling.md, and at the end scaling.png (with matplotlib)."""
-    common.write_report(out_dir / "scaling", report, markdown(report), plot if final else None)
+    write_report(out_dir / "scaling", report, markdown(report),
+                 functools.partial(plots.scaling_curves, target=TARGET) if final else None)
     if final and "plot" in report["notes"]:  # the reason the plot is missing, in the table too
         (out_dir / "scaling.md").write_text(markdown(report))
-
-
-def _f(x, fmt=".3f") -> str:
-    return "—" if x is None else format(x, fmt)
 
 
 def markdown(report: dict) -> str:
@@ -476,74 +291,35 @@ def markdown(report: dict) -> str:
         "",
         f"## Collective vs single-shard kernel (target: {m['target']})",
         "",
-        "| V | TP | V/TP | kernel, 1 shard (ms) | ours on TP (ms) | collective (ms) | share of ours | collective / kernel | ours / kernel − 1 | target |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---:|",
     ]
-    for s in report["scaling"]:
-        tgt = "—" if s["meets_target"] is None else ("yes" if s["meets_target"] else "**no**")
-        lines.append(
-            f"| {s['vocab']} | {s['tp']} | {s['v_local']} | {_f(s['kernel_single_shard_ms'])} | "
-            f"{_f(s['ours_tp_ms'])} | {_f(s['collective_ms'], '.4f')} | {_fmt_pct(s['collective_share_of_total'])} | "
-            f"{_fmt_pct(s['collective_over_kernel'])} | {_fmt_pct(s['tp_overhead_end_to_end'])} | {tgt} |")
-    lines += ["", "## Forward / backward per implementation (max over ranks of the per-rank median)", "",
-              "| V | TP | implementation | fwd (ms) | bwd (ms) | total (ms) | total / ours | max abs loss diff vs ours |",
-              "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    lines += table(
+        ["V", "TP", "V/TP", "kernel, 1 shard (ms)", "ours on TP (ms)", "collective (ms)",
+         "share of ours", "collective / kernel", "ours / kernel − 1", "target"],
+        [[s["vocab"], s["tp"], s["v_local"], _f(s["kernel_single_shard_ms"]), _f(s["ours_tp_ms"]),
+          _f(s["collective_ms"], ".4f"), pct(s["collective_share_of_total"]),
+          pct(s["collective_over_kernel"]), pct(s["tp_overhead_end_to_end"]),
+          "—" if s["meets_target"] is None else ("yes" if s["meets_target"] else "**no**")]
+         for s in report["scaling"]], "rrrrrrrrrc")
+    lines += ["", "## Forward / backward per implementation (max over ranks of the per-rank median)", ""]
     ours = {(r["vocab"], r["tp"]): r["total_ms"] for r in report["results"] if r["impl"] == "ours"}
+    rows = []
     for r in report["results"]:
         o = ours.get((r["vocab"], r["tp"]))
-        rel = _f(r["total_ms"] / o, ".2f") if r["total_ms"] is not None and o else "—"
         name = r["impl"] + (" (1 shard, no TP)" if r["impl"] == "kernel" else "")
         if r["error"]:
             name += f" — failed: {r['error'][:80]}"
-        lines.append(f"| {r['vocab']} | {r['tp']} | {name} | {_f(r['fwd_ms'])} | {_f(r['bwd_ms'])} | "
-                     f"{_f(r['total_ms'])} | {rel} | {_f(r['max_abs_loss_diff_vs_ours'], '.2e')} |")
+        rows.append([r["vocab"], r["tp"], name, _f(r["fwd_ms"]), _f(r["bwd_ms"]), _f(r["total_ms"]),
+                     _f(r["total_ms"] / o, ".2f") if r["total_ms"] is not None and o else "—",
+                     _f(r["max_abs_loss_diff_vs_ours"], ".2e")])
+    lines += table(["V", "TP", "implementation", "fwd (ms)", "bwd (ms)", "total (ms)", "total / ours",
+                    "max abs loss diff vs ours"], rows, "rrlrrrrr")
     if report["notes"]:
         lines += ["", "## Notes", ""] + [f"- {k}: {v}" for k, v in report["notes"].items()]
     return "\n".join(lines) + "\n"
 
 
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    vocabs = report["meta"]["vocab"]
-    fig, axes = plt.subplots(2, len(vocabs), figsize=(6 * len(vocabs), 8), squeeze=False)
-    for j, v in enumerate(vocabs):
-        ax = axes[0][j]
-        rows = [r for r in report["results"] if r["vocab"] == v]
-        for impl in dict.fromkeys(r["impl"] for r in rows):
-            pts = [(r["tp"], r["total_ms"]) for r in rows if r["impl"] == impl and r["total_ms"] is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", linestyle="--" if impl == "kernel" else "-",
-                        label="ours, 1 shard (no TP)" if impl == "kernel" else impl)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(report["meta"]["tp_sizes"], [str(t) for t in report["meta"]["tp_sizes"]])
-        ax.set_yscale("log")
-        ax.set_xlabel("TP")
-        ax.set_ylabel("fwd + bwd per rank (ms)")
-        ax.set_title(f"V = {v}, N = {report['meta']['tokens_per_rank']} per rank")
-        ax.legend(fontsize=8)
-        ax = axes[1][j]
-        sc = [s for s in report["scaling"] if s["vocab"] == v and s["tp"] > 1]
-        for key, label in (("collective_over_kernel", "collective / 1-shard kernel"),
-                           ("collective_share_of_total", "collective share of ours"),
-                           ("tp_overhead_end_to_end", "ours / kernel - 1")):
-            pts = [(s["tp"], 100 * s[key]) for s in sc if s[key] is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=label)
-        ax.axhline(100 * TARGET, color="red", linestyle=":", label="target 5 %")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(report["meta"]["tp_sizes"], [str(t) for t in report["meta"]["tp_sizes"]])
-        ax.set_xlabel("TP")
-        ax.set_ylabel("%")
-        ax.legend(fontsize=8)
-    m = report["meta"]
-    fig.suptitle(f"{m['device']} x {m['world_size']} ({m['backend']})" + (" — CPU smoke" if m["cpu_smoke"] else ""))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _f(x, spec=".3f") -> str:
+    return fmt(x, spec, "—")
 
 
 if __name__ == "__main__":

@@ -67,8 +67,8 @@ def test_bench_measures_the_package_on_pythonpath(tmp_path):
              "spec = importlib.util.spec_from_file_location("
              f"'bench', {str(BENCHMARKS / 'bench_logits.py')!r}); "
              "m = importlib.util.module_from_spec(spec); sys.modules['bench'] = m; "
-             "spec.loader.exec_module(m); print(m.common.package_dir()); "
-             "print(m.common.source_hash())")
+             "spec.loader.exec_module(m); print(m.env.package_dir()); "
+             "print(m.env.source_hash())")
     env = dict(__import__("os").environ)
     runs = {}
     for name, pythonpath in (("other", str(other)), ("own", "")):
@@ -87,7 +87,7 @@ def test_bench_host_overhead_has_yardsticks():
     ``torch.empty`` calls, one launch of a no-op Triton kernel), so a run on a slow host shows as
     one rather than as a slower loss."""
     bench = _load("bench_logits")
-    out = bench.measure_host_overhead(bench.Device("cpu", "dirty", 0), 3)
+    out = bench.probes.measure_host_overhead(bench.Device("cpu", "dirty", 0), 3)
     for key in ("forward", "forward_backward", "yardstick_torch_empty_x2",
                 "yardstick_triton_launch"):
         assert "error" not in out[key], (key, out[key])
