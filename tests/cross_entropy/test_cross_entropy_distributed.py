@@ -6,7 +6,7 @@ import pytest
 
 from tests._torchrun import run_torchrun, triton_runs_here
 
-WORKER = Path(__file__).with_name("tp_worker.py")
+WORKER = Path(__file__).with_name("_distributed_worker.py")
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ import torch
 
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
 from tests._process_group import single_rank_group
-from tests.core.test_cross_entropy import make_logits, make_target
+from tests.cross_entropy.test_cross_entropy import make_logits, make_target
 from vocab_parallel_loss import VocabParallelCrossEntropy, cross_entropy
 from vocab_parallel_loss.layout import RowView, may_overlap, row_view
 

@@ -9,7 +9,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from tests.rl._oracle import oracle
+from tests._logprobs_oracle import oracle
 
 SEQ, BATCH, HIDDEN, VOCAB = 6, 3, 16, 42
 

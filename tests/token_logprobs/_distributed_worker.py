@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests._torchrun import end_worker, init_worker_process_group
-from tests.linear._budgets import one_saved_tile_budget
-from tests.rl._oracle import oracle
+from tests._budgets import one_saved_tile_budget
+from tests._logprobs_oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
 from vocab_parallel_loss.autograd.strategy import choose_strategy
 from vocab_parallel_loss.kernels import linear as K

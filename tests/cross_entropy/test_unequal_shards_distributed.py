@@ -8,7 +8,7 @@ import pytest
 
 from tests._torchrun import run_torchrun
 
-WORKER = Path(__file__).with_name("_shapes_worker.py")
+WORKER = Path(__file__).with_name("_unequal_shards_worker.py")
 
 
 @pytest.mark.distributed

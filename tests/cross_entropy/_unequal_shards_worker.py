@@ -1,7 +1,7 @@
 """torchrun worker: unequal shards across the TP group give a clear error, never a wrong loss or
 an abort inside the collective.
 
-    torchrun --nproc-per-node W tests/distributed/_shapes_worker.py
+    torchrun --nproc-per-node W tests/cross_entropy/_unequal_shards_worker.py
 
 Rank 1 holds one vocabulary column (or sequence row) more than the others. Each case records
 what every rank saw ("raised": the ValueError; "nan": a NaN loss; else the loss was returned) and

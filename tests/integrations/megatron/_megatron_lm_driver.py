@@ -1,4 +1,4 @@
-"""torchrun driver for tests/megatron/test_megatron_lm.py: Megatron-LM's own ``pretrain_gpt.py``
+"""torchrun driver for tests/integrations/megatron/test_megatron_lm.py: Megatron-LM's own ``pretrain_gpt.py``
 (a source snapshot, first on PYTHONPATH) with a README recipe written in, run on CPU (gloo).
 
     torchrun --nproc-per-node 2 _megatron_lm_driver.py SNAPSHOT OUT.json SCENARIOS.json
@@ -39,7 +39,7 @@ import warnings
 from pathlib import Path
 
 warnings.filterwarnings("ignore")
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(REPO / "tools"))
 
 import torch  # noqa: E402

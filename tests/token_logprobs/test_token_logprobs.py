@@ -4,8 +4,8 @@ on both backends: values and gradients under random upstream gradients."""
 import pytest
 import torch
 
-from tests.linear._budgets import one_saved_tile_budget
-from tests.rl._oracle import oracle
+from tests._budgets import one_saved_tile_budget
+from tests._logprobs_oracle import oracle
 from vocab_parallel_loss import linear_token_logprobs, token_logprobs
 from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_entropy
 

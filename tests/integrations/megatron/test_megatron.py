@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).resolve().parent / "_worker.py"
 PRETRAIN = REPO / "examples" / "pretrain_gpt.py"
 TINY_CONFIG = REPO / "examples" / "configs" / "tiny_gpt_tp2.yaml"
@@ -95,7 +95,7 @@ def worker_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron") / "results.json"
     proc = torchrun([WORKER, out], timeout=300)
     if proc.returncode != 0 or not out.exists():
-        _fail(proc, "tests/megatron/_worker.py")
+        _fail(proc, "tests/integrations/megatron/_worker.py")
     return json.loads(out.read_text())
 
 

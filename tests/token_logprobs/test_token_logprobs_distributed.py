@@ -7,7 +7,7 @@ import pytest
 
 from tests._torchrun import run_torchrun, triton_runs_here
 
-WORKER = Path(__file__).with_name("_tp_worker.py")
+WORKER = Path(__file__).with_name("_distributed_worker.py")
 
 
 @pytest.mark.distributed
@@ -23,5 +23,5 @@ def test_tp_matches_full_vocab_oracle(nproc):
 @pytest.mark.timeout(600)
 def test_megatron_output_processor_on_a_real_output_layer():
     pytest.importorskip("megatron.core")
-    out = run_torchrun(Path(__file__).with_name("_megatron_worker.py"), 2, timeout=600)
+    out = run_torchrun(Path(__file__).parents[1] / "integrations" / "verl" / "_output_processor_worker.py", 2, timeout=600)
     assert "output_processor ok" in out

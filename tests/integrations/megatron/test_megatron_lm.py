@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).resolve().parent / "_megatron_lm_driver.py"
 MTP = ["--position-embedding-type", "rope"]  # Megatron-LM refuses MTP with learned positions
 SNAPSHOTS = {

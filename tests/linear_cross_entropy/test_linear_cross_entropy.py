@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests._process_group import single_rank_group
-from tests.linear._budgets import one_saved_tile_budget
-from tests.linear._lce_oracle import lce_reference, reference_grads
+from tests._budgets import one_saved_tile_budget
+from tests._linear_oracle import lce_reference, reference_grads
 from vocab_parallel_loss import VocabParallelLinearCrossEntropy, backends, linear_cross_entropy
 from vocab_parallel_loss.reference.linear import TorchBackend
 from vocab_parallel_loss.settings import interpreting

@@ -1,5 +1,5 @@
 """Token log-probs and entropy from hidden states on CUDA with real shapes, every strategy of the
-fused engine (run on the H200: ``pytest -m gpu tests/rl/test_gpu_logprobs.py``).
+fused engine (run on the H200: ``pytest -m gpu tests/linear_token_logprobs/test_linear_token_logprobs_gpu.py``).
 
 The reference is fp32 PyTorch on the materialized logits of the same bf16 inputs.
 """
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests._cuda_graph import assert_capture_replays_eager
-from tests.linear._budgets import one_saved_tile_budget
+from tests._budgets import one_saved_tile_budget
 from vocab_parallel_loss import linear_token_logprobs
 from vocab_parallel_loss.autograd.strategy import choose_strategy
 from vocab_parallel_loss.kernels import linear as K

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.linear._budgets import one_saved_tile_budget
-from tests.linear._lce_oracle import reference_grads
-from tests.linear.test_linear_cross_entropy import K, KC, make, strategy_mod
+from tests._budgets import one_saved_tile_budget
+from tests._linear_oracle import reference_grads
+from tests.linear_cross_entropy.test_linear_cross_entropy import K, KC, make, strategy_mod
 from vocab_parallel_loss import VocabParallelLinearCrossEntropy, linear_cross_entropy
 from vocab_parallel_loss.settings import interpreting
 

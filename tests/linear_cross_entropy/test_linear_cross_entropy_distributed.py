@@ -1,6 +1,6 @@
 """Fused linear cross entropy under real tensor parallelism: torchrun with gloo, 2 and 4 ranks.
 
-The worker (``_tp_worker.py``) checks, for both implementations: every rank returns the
+The worker (``_distributed_worker.py``) checks, for both implementations: every rank returns the
 full-vocabulary loss (bitwise equal across ranks), ``dC`` is its slice of the full gradient,
 ``dE`` is the full gradient, and the sequence-parallel variant (gathered ``e``, reduce-scattered
 ``dE``), against fp64 ``F.cross_entropy(e @ c.T + bias)``.
@@ -12,7 +12,7 @@ import pytest
 
 from tests._torchrun import run_torchrun, triton_runs_here
 
-WORKER = Path(__file__).with_name("_tp_worker.py")
+WORKER = Path(__file__).with_name("_distributed_worker.py")
 
 
 @pytest.mark.distributed

@@ -1,5 +1,5 @@
 """Fused linear cross entropy on CUDA with real shapes (run on the H200:
-``pytest -m gpu tests/linear/test_gpu_linear.py``).
+``pytest -m gpu tests/linear_cross_entropy/test_linear_cross_entropy_gpu.py``).
 
 References are fp32 PyTorch on the materialized logits (``e.float() @ c.float().T``), which is
 exact up to fp32 summation order for bf16 inputs.

@@ -2,7 +2,7 @@
 
 What can be checked without a GPU: when it is on, and that the chained kernels compile for
 Hopper (sm_90) with the grid-dependency instructions where the safety argument needs them. On
-the GPU, tests/gpu/test_gpu_core.py::test_chained_launches_match_plain_ones checks the bits.
+the GPU, tests/cross_entropy/test_cross_entropy_gpu.py::test_chained_launches_match_plain_ones checks the bits.
 """
 
 from __future__ import annotations

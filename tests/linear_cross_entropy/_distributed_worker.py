@@ -1,6 +1,6 @@
 """torchrun worker: fused linear cross entropy on vocabulary shards vs the full-vocab fp64 oracle.
 
-    torchrun --nproc-per-node N tests/linear/_tp_worker.py
+    torchrun --nproc-per-node N tests/linear_cross_entropy/_distributed_worker.py
 
 Every rank builds the same full ``e``, ``c``, bias and targets (fixed seed), keeps its rows of
 ``c`` (and, with sequence parallelism, its slice of ``e``'s first dim) and checks: the loss is
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from tests._torchrun import end_worker, init_worker_process_group
 
-from tests.linear._budgets import one_saved_tile_budget
-from tests.linear._lce_oracle import reference_grads
+from tests._budgets import one_saved_tile_budget
+from tests._linear_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
 from vocab_parallel_loss.autograd import strategy as strategy_mod
 from vocab_parallel_loss.kernels import linear as K

@@ -1,7 +1,7 @@
 """Property test: every target dtype, logits dtype, layout and option, on both backends, against
 the fp64 reference and against each other (the backends promise the same semantics).
 
-Tensor parallelism is covered by tests/distributed (torchrun).
+Tensor parallelism is covered by test_cross_entropy_distributed.py (torchrun).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests._oracle import full_vocab_loss_and_grad
-from tests.core.test_cross_entropy import make_logits
+from tests.cross_entropy.test_cross_entropy import make_logits
 from vocab_parallel_loss import backends, cross_entropy
 
 ce_mod = importlib.import_module("vocab_parallel_loss.autograd.logits")

@@ -1,4 +1,4 @@
-"""The core loss on CUDA (run on the H200: ``pytest -m gpu tests/gpu``)."""
+"""The core loss on CUDA (run on the H200: ``pytest -m gpu tests/cross_entropy``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
-from tests.linear._lce_oracle import reference_grads
+from tests._linear_oracle import reference_grads
 from vocab_parallel_loss import (VocabParallelCrossEntropy, VocabParallelLinearCrossEntropy,
                                  backends, cross_entropy, linear_cross_entropy,
                                  parallel_cross_entropy, vocab_parallel_cross_entropy)

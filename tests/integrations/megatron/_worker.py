@@ -1,6 +1,6 @@
-"""torchrun worker for tests/megatron: TP=2 over gloo on CPU, tiny shapes.
+"""torchrun worker for tests/integrations/megatron: TP=2 over gloo on CPU, tiny shapes.
 
-    torchrun --nproc-per-node 2 tests/megatron/_worker.py OUT.json [CHECK ...]
+    torchrun --nproc-per-node 2 tests/integrations/megatron/_worker.py OUT.json [CHECK ...]
 
 Runs each check, catches its failure, and rank 0 writes {check: {"ok": bool, "error": str, ...}}
 to OUT.json. Every comparison is against an independent reference: megatron-core's own loss path,
@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 warnings.filterwarnings("ignore")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,6 +1,6 @@
 """The fast launch path (kernels/launch.py): what can be checked without a GPU.
 
-On the GPU, tests/gpu/test_gpu_core.py checks that the path is taken and gives the same bits.
+On the GPU, tests/cross_entropy/test_cross_entropy_gpu.py checks that the path is taken and gives the same bits.
 """
 
 from __future__ import annotations
