@@ -23,3 +23,13 @@ def oracle(z, target, temperature=1.0, ignore_index=-100, softcap=None, scale=1.
     ent = -torch.where(p > 0, p * ls, torch.zeros_like(p)).sum(-1)  # 0 log 0 = 0
     zero = torch.zeros((), dtype=torch.float64)
     return torch.where(ignored, zero, lp), torch.where(ignored, zero, ent), x.argmax(-1)
+
+
+#: tolerance of the log-probs and entropy (relative) per input dtype
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float64: 1e-12}
+
+
+def logprob_grads(outputs, inputs, g_lp, g_ent):
+    """Gradients of ``inputs`` under upstream gradients ``g_lp`` (log-probs), ``g_ent`` (entropy)."""
+    lp, ent = outputs
+    return torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), inputs)

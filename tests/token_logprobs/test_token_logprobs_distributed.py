@@ -18,10 +18,3 @@ def test_tp_matches_full_vocab_oracle(nproc):
     out = run_torchrun(WORKER, nproc, impls, timeout=600)
     assert "log-prob cases passed on" in out
 
-
-@pytest.mark.distributed
-@pytest.mark.timeout(600)
-def test_megatron_output_processor_on_a_real_output_layer():
-    pytest.importorskip("megatron.core")
-    out = run_torchrun(Path(__file__).parents[1] / "integrations" / "verl" / "_output_processor_worker.py", 2, timeout=600)
-    assert "output_processor ok" in out
