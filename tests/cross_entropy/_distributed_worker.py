@@ -2,7 +2,9 @@
 
 Each rank builds the same full logits (fixed seed), keeps its shard of columns and checks that
 its loss equals the full-vocabulary loss, is bitwise the same on every rank, and that its
-gradient equals its slice of the full gradient. Exits non-zero on the first mismatch.
+gradient equals its slice of the full gradient. Exits non-zero on the first mismatch
+(``run_checks`` in tests/_torchrun.py: rank 0 writes each case's outcome as JSON when launched
+by the tests).
 
 gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
 ``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
@@ -12,14 +14,15 @@ and the fp64 reference is computed on the CPU (``benchmarks/run_multigpu.sh`` do
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import end_worker, init_worker_process_group
-
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
+from tests._torchrun import end_worker, init_worker_process_group, run_checks
+from tests.cross_entropy._unequal_shards_worker import unequal_shard_checks
 from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, parallel_cross_entropy,
                                  vocab_parallel_cross_entropy)
 
@@ -185,15 +188,17 @@ def check_compiled(group):
     torch.testing.assert_close(fn(x, target).double().cpu(), ref_loss, atol=1e-5, rtol=1e-5)
 
 
-def main() -> None:
-    init_process_group()
-    world = dist.get_world_size()
-    group = dist.new_group(list(range(world)))
-    impls = sys.argv[1].split(",") if len(sys.argv) > 1 else ["triton", "torch"]
-    n = 0
+def checks(group, world, impls):
+    """(name, check) of every case, both backends in turn (the backend is set as a check runs)."""
+
+    def on(impl, check, *args, **kw):
+        def run():
+            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+            ce_mod._plans.clear()
+            check(*args, **kw)
+        return run
+
     for impl in impls:
-        backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
-        ce_mod._plans.clear()
         for api, reductions in [("module", ["none", "mean", "sum"]),
                                 ("module_inplace", ["none", "mean"]),
                                 ("transformer_engine", ["none", "mean"]),
@@ -203,25 +208,31 @@ def main() -> None:
             for reduction in reductions:
                 for layout in ["bsv", "sbv"]:
                     for smoothing, z_loss in [(0.0, 0.0), (0.1, 1e-3 if with_z else 0.0)]:
-                        check_case(group, api=api, layout=layout, dtype=torch.float32,
-                                   reduction=reduction, smoothing=smoothing, z_loss=z_loss)
-                        n += 1
-        check_case(group, api="module", layout="sbv", dtype=torch.bfloat16, reduction="none",
-                   smoothing=0.1, z_loss=0.0)
-        check_against_megatron(group, world)
-        check_input_domain(group)
-        n += 3
-    check_compiled(group)
-    n += 1
+                        yield (f"{impl}/{api}/{reduction}/{layout}/ls{smoothing}/z{z_loss}",
+                               on(impl, check_case, group, api=api, layout=layout,
+                                  dtype=torch.float32, reduction=reduction, smoothing=smoothing,
+                                  z_loss=z_loss))
+        yield (f"{impl}/module/bf16", on(impl, check_case, group, api="module", layout="sbv",
+                                         dtype=torch.bfloat16, reduction="none", smoothing=0.1,
+                                         z_loss=0.0))
+        yield f"{impl}/against_megatron", on(impl, check_against_megatron, group, world)
+        yield f"{impl}/input_domain", on(impl, check_input_domain, group)
+    yield "compiled", lambda: check_compiled(group)
     if world > 1:  # one rank has nothing to compare its shard with
-        check_unequal_shards(group)
-        n += 1
-    dist.barrier()  # no rank tears gloo down while another still sends
-    if dist.get_rank() == 0:
-        print(f"tp_worker: {n} cases passed on {world} ranks ({DEVICE.type}, {dist.get_backend()})",
-              flush=True)
-    end_worker()  # no interpreter finalization: see tests/_torchrun.py
+        yield "unequal_shards", lambda: check_unequal_shards(group)
 
+
+def main() -> None:
+    init_process_group()
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    impls = sys.argv[1].split(",") if len(sys.argv) > 1 else ["triton", "torch"]
+    cases = checks(group, world, impls)
+    if "--unequal-shards" in sys.argv:  # one launch for both (each launch pays the imports)
+        cases = itertools.chain(unequal_shard_checks(), cases)
+    run_checks(cases)
+    dist.barrier()  # no rank tears gloo down while another still sends
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,8 @@ an abort inside the collective.
 Rank 1 holds one vocabulary column (or sequence row) more than the others. Each case records
 what every rank saw ("raised": the ValueError; "nan": a NaN loss; else the loss was returned) and
 all-gathers those outcomes, which also shows that the ranks' collectives still pair up. Exits
-non-zero on the first unexpected outcome; prints ``N shape cases passed on W ranks``.
+non-zero on the first unexpected outcome; prints ``N shape cases passed on W ranks``. The tests
+run these cases in the launch of ``_distributed_worker.py`` (``unequal_shard_checks``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import end_worker, init_worker_process_group
+from tests._torchrun import end_worker, init_worker_process_group, run_checks
 from vocab_parallel_loss import backends, cross_entropy, linear_cross_entropy
 
 H = 8
@@ -72,48 +73,62 @@ def linear_loss(group, v_local, impl, rows=3, targets_rows=None, compiled=False,
     return lambda: f(e, c, t)
 
 
-def main() -> None:
-    init_worker_process_group()
+def unequal_shard_checks():
+    """(name, check) of every case, in order: a case may rely on what an earlier one verified."""
     rank, world = dist.get_rank(), dist.get_world_size()
     wide = 5 + (rank == 1)  # rank 1's vocabulary shard is one column wider
     all_raise = ["raised"] * world
     only_rank1 = ["raised" if r == 1 else "nan" for r in range(world)]
     vocab, seq = "vocab shards differ", "sequence_parallel=True"
-    n = 0
+    state = {}
+
+    def case(name, want, make, match, new_group=False):
+        impl = name.split("/")[1]
+
+        def run():
+            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+            if new_group:
+                state["g"] = dist.new_group(list(range(world)))
+            expect(name, everyone(outcome(make(state["g"]), match)), want)
+        return name, run
+
     for impl in ["triton", "torch"]:
-        backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
         if impl == "torch":
             # unequal vocabulary shards under torch.compile: checked at run time (the check
             # does not depend on the backend; dynamo cannot trace Triton's interpreter)
-            g = dist.new_group(list(range(world)))
-            expect("compiled cross_entropy",
-                   everyone(outcome(logits_loss(g, wide, True), vocab)), all_raise)
-            expect("compiled linear", everyone(outcome(
-                linear_loss(g, wide, impl, compiled=True), vocab)), all_raise)
+            yield case(f"shapes/{impl}/compiled cross_entropy", all_raise,
+                       lambda g: logits_loss(g, wide, True), vocab, new_group=True)
+            yield case(f"shapes/{impl}/compiled linear", all_raise,
+                       lambda g, impl=impl: linear_loss(g, wide, impl, compiled=True), vocab)
         # a group that verified 5 columns, then rank 1 holds 6: rank 1 raises, the others (which
         # do not read the widths again) get NaN; no rank aborts
-        g = dist.new_group(list(range(world)))
-        expect("equal", everyone(outcome(logits_loss(g, 5), vocab)), ["value"] * world)
-        expect("cross_entropy after a verified width",
-               everyone(outcome(logits_loss(g, wide), vocab)), only_rank1)
-        expect("equal", everyone(outcome(linear_loss(g, 5, impl), vocab)), ["value"] * world)
-        expect("linear after a verified width",
-               everyone(outcome(linear_loss(g, wide, impl), vocab)), only_rank1)
+        yield case(f"shapes/{impl}/equal", ["value"] * world, lambda g: logits_loss(g, 5), vocab,
+                   new_group=True)
+        yield case(f"shapes/{impl}/cross_entropy after a verified width", only_rank1,
+                   lambda g: logits_loss(g, wide), vocab)
+        yield case(f"shapes/{impl}/equal linear", ["value"] * world,
+                   lambda g, impl=impl: linear_loss(g, 5, impl), vocab)
+        yield case(f"shapes/{impl}/linear after a verified width", only_rank1,
+                   lambda g, impl=impl: linear_loss(g, wide, impl), vocab)
         # sequence parallel: rank 1 holds one more row of e than the targets give it
-        g = dist.new_group(list(range(world)))
         rows = 2 + (rank == 1)
-        expect("unequal sequence shards", everyone(outcome(
-            linear_loss(g, 5, impl, rows=rows, targets_rows=2 * world, shift=1), seq)),
-            all_raise)
-        expect("equal", everyone(outcome(linear_loss(g, 5, impl, rows=2, targets_rows=2 * world),
-                                         seq)), ["value"] * world)
-        expect("sequence shards after verified ones", everyone(outcome(
-            linear_loss(g, 5, impl, rows=rows, targets_rows=2 * world), seq)), only_rank1)
-        expect("targets not divisible", everyone(outcome(
-            linear_loss(g, 5, impl, rows=2, targets_rows=2 * world + 1), seq)), all_raise)
-        n += 7 + 2 * (impl == "torch")
-    if rank == 0:
-        print(f"{n} shape cases passed on {world} ranks", flush=True)
+        yield case(f"shapes/{impl}/unequal sequence shards", all_raise,
+                   lambda g, impl=impl: linear_loss(g, 5, impl, rows=rows, targets_rows=2 * world,
+                                                    shift=1), seq, new_group=True)
+        yield case(f"shapes/{impl}/equal sequence shards", ["value"] * world,
+                   lambda g, impl=impl: linear_loss(g, 5, impl, rows=2, targets_rows=2 * world),
+                   seq)
+        yield case(f"shapes/{impl}/sequence shards after verified ones", only_rank1,
+                   lambda g, impl=impl: linear_loss(g, 5, impl, rows=rows, targets_rows=2 * world),
+                   seq)
+        yield case(f"shapes/{impl}/targets not divisible", all_raise,
+                   lambda g, impl=impl: linear_loss(g, 5, impl, rows=2,
+                                                    targets_rows=2 * world + 1), seq)
+
+
+def main() -> None:
+    init_worker_process_group()
+    run_checks(unequal_shard_checks(), summary="shape cases passed")
     end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 
