@@ -6,7 +6,8 @@ Every rank builds the same full ``e``, ``c``, bias and targets (fixed seed), kee
 ``c`` (and, with sequence parallelism, its slice of ``e``'s first dim) and checks: the loss is
 the full-vocabulary loss and bitwise the same on every rank; ``dC`` (and dbias) is its slice of
 the full gradient; ``dE`` is the full gradient (or its sequence slice). Exits non-zero on the
-first mismatch; prints ``N linear cases passed on W ranks``.
+first mismatch; prints ``N linear cases passed on W ranks`` (``run_checks`` in
+tests/_torchrun.py: rank 0 writes each case's outcome as JSON when launched by the tests).
 
 gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
 ``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
@@ -20,7 +21,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import end_worker, init_worker_process_group
+from tests._torchrun import end_worker, init_worker_process_group, run_checks
 
 from tests._budgets import one_saved_tile_budget
 from tests._linear_oracle import reference_grads
@@ -133,28 +134,21 @@ CASES = [
 ]
 
 
+def case_name(impl, case) -> str:
+    return impl + "/" + ",".join(f"{k}={getattr(v, '__name__', v)}".replace("torch.", "")
+                                 for k, v in case.items())
+
+
 def main() -> int:
     init_process_group()
     torch.manual_seed(0)
-    n = 0
     impls = sys.argv[1:] or ["triton", "torch"]
-    for impl in impls:
-        for case in CASES:
-            if case.get("gif") and impl != "triton":
-                continue
-            try:
-                check_case(impl=impl, **case)
-            except Exception as ex:
-                print(f"rank {dist.get_rank()} FAILED impl={impl} {case}: {ex!r}", flush=True)
-                raise
-            n += 1
+    run_checks(((case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
+                for impl in impls for case in CASES if impl == "triton" or not case.get("gif")),
+               summary="linear cases passed")
     dist.barrier()
-    if dist.get_rank() == 0:
-        print(f"{n} linear cases passed on {dist.get_world_size()} ranks "
-              f"({DEVICE.type}, {dist.get_backend()})", flush=True)
     end_worker()  # no interpreter finalization: see tests/_torchrun.py
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
