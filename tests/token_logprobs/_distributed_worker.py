@@ -4,7 +4,9 @@ Every rank builds the same full inputs (fixed seed) and keeps its shard: the out
 full-vocabulary values, bitwise equal on every rank; the logits' (and weight's) gradient is its
 slice of the full gradient, the hidden states' the full one (or its sequence slice). Cases: equal
 shards, unequal shards through ``vocab_range`` (the last rank's shard padded), sequence
-parallelism; the hidden-state path under each strategy of the fused engine. Prints ``N log-prob cases passed on W ranks``.
+parallelism; the hidden-state path (``linear_token_logprobs``) under each strategy of the fused
+engine. Prints ``N log-prob cases passed on W ranks``; launched by the tests, rank 0 writes each
+case's outcome as JSON (``run_checks`` in tests/_torchrun.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import end_worker, init_worker_process_group
+from tests._torchrun import end_worker, init_worker_process_group, run_checks
 from tests._budgets import one_saved_tile_budget
 from tests._logprobs_oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
@@ -120,24 +122,29 @@ def case_hidden(sp, unequal, budget):
     assert torch.all(c_mine.grad[stop - start:] == 0)
 
 
-def main():
-    init_worker_process_group()
-    n = 0
-    for impl in sys.argv[1].split(","):
-        backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+def checks(impls):
+    def on(impl, case, *args):
+        def run():
+            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+            case(*args)
+        return run
+
+    for impl in impls:
         for unequal in (False, True):
             for per_token_t in (False, True):
-                case_logits(unequal, per_token_t)
-                n += 1
+                yield (f"{impl}/logits/unequal={unequal}/per_token_t={per_token_t}",
+                       on(impl, case_logits, unequal, per_token_t))
         for sp, unequal, budget in ((False, False, "saved"), (True, False, "split"),
                                     (True, True, "recompute"), (False, True, "split")):
-            case_hidden(sp, unequal, budget)
-            n += 1
-    dist.barrier()  # no rank tears gloo down while another still sends
-    if dist.get_rank() == 0:
-        print(f"{n} log-prob cases passed on {dist.get_world_size()} ranks", flush=True)
-    end_worker()  # no interpreter finalization: see tests/_torchrun.py
+            yield (f"{impl}/hidden/sp={sp}/unequal={unequal}/{budget}",
+                   on(impl, case_hidden, sp, unequal, budget))
 
+
+def main():
+    init_worker_process_group()
+    run_checks(checks(sys.argv[1].split(",")), summary="log-prob cases passed")
+    dist.barrier()  # no rank tears gloo down while another still sends
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 if __name__ == "__main__":
     main()

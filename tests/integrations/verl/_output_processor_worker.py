@@ -1,6 +1,8 @@
 """torchrun worker (2 ranks, gloo): the verl-style megatron-core ``output_processor`` on a real
 megatron-core ``ColumnParallelLinear`` output layer with sequence parallelism, against the fp64
-oracle on the gathered weight and hidden states. Prints ``output_processor ok``."""
+oracle on the gathered weight and hidden states. Reports through ``run_checks``
+(tests/_torchrun.py): prints ``1 output_processor cases passed on 2 ranks``, and rank 0 writes
+the outcome as JSON when launched by the tests."""
 
 from __future__ import annotations
 
@@ -10,12 +12,12 @@ import torch
 import torch.distributed as dist
 
 from tests._logprobs_oracle import oracle
+from tests._torchrun import end_worker, run_checks
 
 SEQ, BATCH, HIDDEN, VOCAB = 6, 3, 16, 42
 
 
-def main():
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+def check_output_processor():
     from megatron.core import ModelParallelConfig, parallel_state
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
@@ -55,11 +57,14 @@ def main():
                             ("dH", mine.grad, h64.grad[rows])):
         err = (got.double() - want).abs().max().item()
         assert err < 1e-4 * max(1.0, want.abs().max().item()), (name, err)
-    dist.barrier()
-    if rank == 0:
-        print("output_processor ok", flush=True)
-    from tests._torchrun import end_worker
+    parallel_state.destroy_model_parallel()
 
+
+def main():
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
+    run_checks([("output_processor", check_output_processor)],
+               summary="output_processor cases passed")
+    dist.barrier()
     end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 

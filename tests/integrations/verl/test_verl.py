@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests._logprobs_oracle import oracle
-from tests._torchrun import run_torchrun
+from tests._torchrun import check_passed, torchrun_results
 from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_entropy
 
 
@@ -90,7 +90,8 @@ def test_megatron_output_processor_fuses_gradient_accumulation(monkeypatch):
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_megatron_output_processor_on_a_real_output_layer():
+def test_megatron_output_processor_on_a_real_output_layer(tmp_path):
     pytest.importorskip("megatron.core")
-    out = run_torchrun(Path(__file__).with_name("_output_processor_worker.py"), 2, timeout=600)
-    assert "output_processor ok" in out
+    results = torchrun_results(Path(__file__).with_name("_output_processor_worker.py"), 2,
+                               results=tmp_path / "results.json", timeout=600)
+    check_passed(results, "output_processor")
