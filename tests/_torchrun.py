@@ -23,15 +23,18 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS_ENV = "VPL_TORCHRUN_RESULTS"
 
 
-def run_torchrun(script, nproc: int, *args: str, timeout: float = 900, env=None) -> str:
-    """Run ``script`` on ``nproc`` ranks; fail the test with the workers' output on error."""
+def run_torchrun(script, nproc: int, *args: str, timeout: float = 900, env=None, cwd=REPO) -> str:
+    """Run ``script`` on ``nproc`` ranks; fail the test with the workers' output on error.
+    ``env``: the workers' environment (default this process's); the repository is put first on
+    its PYTHONPATH unless that names it already (where it is kept)."""
     env = dict(os.environ if env is None else env)
     env.setdefault("TRITON_INTERPRET", "1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if str(REPO) not in env.get("PYTHONPATH", "").split(os.pathsep):
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", str(script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} x{nproc} failed ({proc.returncode}):\n{out[-8000:]}")
@@ -39,12 +42,21 @@ def run_torchrun(script, nproc: int, *args: str, timeout: float = 900, env=None)
 
 
 def torchrun_results(script, nproc: int, *args: str, results: Path, timeout: float = 900,
-                     env=None) -> dict:
+                     env=None, cwd=REPO) -> dict:
     """Run ``script`` on ``nproc`` ranks with ``$VPL_TORCHRUN_RESULTS=results`` and return the
     JSON its rank 0 wrote there: ``{check: {"ok": bool, "error": str, ...}}`` (see
-    ``gather_results``); a launch that fails or writes nothing fails the test."""
+    ``gather_results``). A launch that failed returns what was written when that records a failed
+    check (each test reports its own); else (no results, or none failed) it fails the test with
+    the workers' output."""
     env = dict(os.environ if env is None else env, **{RESULTS_ENV: str(results)})
-    out = run_torchrun(script, nproc, *args, timeout=timeout, env=env)
+    try:
+        out = run_torchrun(script, nproc, *args, timeout=timeout, env=env, cwd=cwd)
+    except AssertionError:
+        if Path(results).exists():
+            got = json.loads(Path(results).read_text())
+            if not all(r["ok"] for r in got.values()):
+                return got
+        raise
     if not Path(results).exists():
         raise AssertionError(f"torchrun {script} x{nproc} wrote no results:\n{out[-8000:]}")
     return json.loads(Path(results).read_text())
@@ -52,7 +64,9 @@ def torchrun_results(script, nproc: int, *args: str, results: Path, timeout: flo
 
 def check_passed(results: dict, name: str) -> dict:
     """One check's record from ``torchrun_results``; fails the test with its error."""
-    assert name in results, f"the worker did not run {name!r} (ran: {sorted(results)})"
+    failed = [r["error"] for r in results.values() if not r["ok"]]
+    assert name in results, (f"the worker did not run {name!r} (ran: {sorted(results)})"
+                             + (f"; it stopped at:\n{failed[0]}" if failed else ""))
     r = results[name]
     assert r["ok"], r.get("error")
     return r

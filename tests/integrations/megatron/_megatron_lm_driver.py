@@ -1,7 +1,9 @@
 """torchrun driver for tests/integrations/megatron/test_megatron_lm.py: Megatron-LM's own ``pretrain_gpt.py``
 (a source snapshot, first on PYTHONPATH) with a README recipe written in, run on CPU (gloo).
 
-    torchrun --nproc-per-node 2 _megatron_lm_driver.py SNAPSHOT OUT.json SCENARIOS.json
+    torchrun --nproc-per-node 2 _megatron_lm_driver.py SNAPSHOT SCENARIOS.json
+
+(the outcomes go as JSON to ``$VPL_TORCHRUN_RESULTS``: ``run_checks`` in tests/_torchrun.py)
 
 Each scenario ``[name, recipe, extra flags]`` writes the recipe into a copy of the snapshot's
 ``pretrain_gpt.py`` (tools/megatron_lm_recipes.py) and runs it as ``__main__`` with Megatron-LM
@@ -30,11 +32,9 @@ import contextlib
 import datetime
 import inspect
 import json
-import os
 import runpy
 import sys
 import tempfile
-import traceback
 import warnings
 from pathlib import Path
 
@@ -46,6 +46,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import megatron_lm_recipes  # noqa: E402
+
+from tests._torchrun import end_worker, run_checks  # noqa: E402
 
 TP, SEQ, BATCH, VOCAB = 2, 16, 2, 255
 FLAGS = [
@@ -220,36 +222,32 @@ def cleanup():
     STATE.clear()
 
 
+def scenario(snapshot: Path, recipe: str, extra, workdir: Path):
+    def run():
+        try:
+            return run_scenario(snapshot, recipe, extra, workdir)
+        except SystemExit as e:  # Megatron-LM exits on what it refuses: recorded like an error
+            raise RuntimeError(f"SystemExit({e.code!r})") from e
+        finally:
+            cleanup()
+    return run
+
+
 def main():
-    snapshot, out_path, scenarios = Path(sys.argv[1]), sys.argv[2], json.loads(Path(sys.argv[3]).read_text())
+    snapshot, scenarios = Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text())
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
-    results = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         if dist.get_world_size() > 1:  # every rank reads rank 0's copies
             name = [str(workdir)]
             dist.broadcast_object_list(name, src=0)
             workdir = Path(name[0]) if dist.get_rank() != 0 else workdir
-        for name, recipe, extra in scenarios:
-            try:
-                results[name] = {"ok": True, **run_scenario(snapshot, recipe, extra, workdir)}
-            except BaseException as e:  # recorded, reported by the pytest side
-                results[name] = {"ok": False, "error": f"rank {dist.get_rank()}: {e!r}\n{traceback.format_exc()}"}
-            cleanup()
-            dist.barrier()
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        merged = {}
-        for name in results:
-            bad = [r[name] for r in gathered if not r[name]["ok"]]
-            merged[name] = bad[0] if bad else gathered[0][name]
-        Path(out_path).write_text(json.dumps(merged, indent=1))
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # no interpreter finalization: see end_worker in tests/_torchrun.py
-
+        # every scenario runs (each ends on a barrier); rank 0 writes the outcomes as JSON
+        run_checks([(name, scenario(snapshot, recipe, extra, workdir))
+                    for name, recipe, extra in scenarios], keep_going=True,
+                   summary="Megatron-LM scenarios passed")
+        dist.barrier()  # no rank removes the copies while another reads them
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
 
 if __name__ == "__main__":
     main()

@@ -1,9 +1,9 @@
 """torchrun worker for tests/integrations/megatron: TP=2 over gloo on CPU, tiny shapes.
 
-    torchrun --nproc-per-node 2 tests/integrations/megatron/_worker.py OUT.json [CHECK ...]
+    torchrun --nproc-per-node 2 tests/integrations/megatron/_worker.py [CHECK ...]
 
 Runs each check, catches its failure, and rank 0 writes {check: {"ok": bool, "error": str, ...}}
-to OUT.json. Every comparison is against an independent reference: megatron-core's own loss path,
+as JSON to ``$VPL_TORCHRUN_RESULTS`` (``run_checks`` in tests/_torchrun.py). Every comparison is against an independent reference: megatron-core's own loss path,
 or fp64 ``torch.nn.functional.cross_entropy`` on the all-gathered full-vocabulary logits.
 """
 
@@ -12,9 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import json
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -24,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from tests._torchrun import end_worker, run_checks  # noqa: E402
 
 TP = 2
 VOCAB = 256  # 128 columns per rank
@@ -689,30 +689,13 @@ CHECKS = {
 
 
 def main():
-    out_path = sys.argv[1]
-    names = sys.argv[2:] or list(CHECKS)
+    names = sys.argv[1:] or list(CHECKS)
     ps = setup()
-    results = {}
-    for name in names:
-        try:
-            results[name] = {"ok": True, **CHECKS[name](ps)}
-        except Exception as e:  # recorded, reported by the pytest side
-            results[name] = {"ok": False, "error": f"rank {dist.get_rank()}: {e!r}\n{traceback.format_exc()}"}
-        dist.barrier()
-    # Rank 0 writes; a failure seen by any rank counts.
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        merged = {}
-        for name in names:
-            bad = [r[name] for r in gathered if not r[name]["ok"]]
-            merged[name] = bad[0] if bad else gathered[0][name]
-        Path(out_path).write_text(json.dumps(merged, indent=1))
+    # every check runs (each ends on a barrier); a failure on any rank counts
+    run_checks([(name, lambda name=name: CHECKS[name](ps)) for name in names], keep_going=True,
+               summary="megatron checks passed")
     ps.destroy_model_parallel()
-    from tests._torchrun import end_worker
-
     end_worker()  # no interpreter finalization: see tests/_torchrun.py
-
 
 if __name__ == "__main__":
     main()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._torchrun import check_passed, torchrun_results
+
 pytest.importorskip("megatron.core")
 
 REPO = Path(__file__).resolve().parents[3]
@@ -93,16 +95,11 @@ def test_extra_args_provider_chaining():
 @pytest.fixture(scope="module")
 def worker_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("megatron") / "results.json"
-    proc = torchrun([WORKER, out], timeout=300)
-    if proc.returncode != 0 or not out.exists():
-        _fail(proc, "tests/integrations/megatron/_worker.py")
-    return json.loads(out.read_text())
+    env = dict(os.environ, PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+    return torchrun_results(WORKER, 2, results=out, env=env, timeout=300)
 
 
-def _ok(results, name):
-    r = results[name]
-    assert r["ok"], r.get("error")
-    return r
+_ok = check_passed
 
 
 @pytest.mark.distributed

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
 import pytest
+
+from tests._torchrun import torchrun_results
 
 pytest.importorskip("megatron.core")
 
@@ -83,13 +84,9 @@ def megatron_lm(tmp_path_factory):
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
                    PYTHONPATH=os.pathsep.join([str(root / "site"), str(snapshot), str(REPO)]))
         out = root / f"{gen}_results.json"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", DRIVER,
-             snapshot, out, root / f"{gen}.json"], cwd=root, env=env, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0 or not out.exists():
-            pytest.fail(f"{DRIVER.name} on {tarball.name} exited with {proc.returncode}:\n"
-                        f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
-        results[gen] = {"version": version, **json.loads(out.read_text())}
+        runs = torchrun_results(DRIVER, 2, snapshot, root / f"{gen}.json", results=out, env=env,
+                                cwd=root, timeout=600)
+        results[gen] = {"version": version, **runs}
     return results
 
 
