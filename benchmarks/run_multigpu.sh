@@ -162,10 +162,10 @@ if [[ " $STEPS " == *" tests "* ]]; then
   for t in $TPS; do
     # core loss, every API (module, TE drop-in, Megatron drop-in, vs megatron-core), triton + torch
     step "tests_core_tp$t" "${TIMEOUT_TESTS:-300}" "${test_env[@]}" -- \
-      $(torchrun_cmd "$t" tests/distributed/tp_worker.py)
+      $(torchrun_cmd "$t" tests/cross_entropy/_distributed_worker.py)
     # fused linear cross entropy, with and without sequence parallelism
     step "tests_linear_tp$t" "${TIMEOUT_TESTS:-300}" "${test_env[@]}" -- \
-      $(torchrun_cmd "$t" tests/linear/_tp_worker.py)
+      $(torchrun_cmd "$t" tests/linear_cross_entropy/_distributed_worker.py)
   done
 fi
 

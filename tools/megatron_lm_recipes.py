@@ -4,7 +4,7 @@ the few lines a user adds, inserted where a user would add them. Nothing else ch
 
     python tools/megatron_lm_recipes.py MEGATRON_LM/pretrain_gpt.py RECIPE > pretrain_gpt_RECIPE.py
 
-The CPU tests (tests/megatron/test_megatron_lm.py) and the GPU runs (tools/megatron_lm_h200.py)
+The CPU tests (tests/integrations/megatron/test_megatron_lm.py) and the GPU runs (tools/megatron_lm_h200.py)
 run the files this writes. Recipes (``RECIPES``), by the ``pretrain_gpt.py`` generation they fit:
 
 * ``native``: the file as shipped (megatron-core's loss; ``--cross-entropy-loss-fusion`` for its

@@ -88,8 +88,8 @@ def test_run_multigpu_plan_for_eight_gpus(tmp_path):
     assert "NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1" in plan
     assert "-u TRITON_INTERPRET VPL_TEST_DEVICE=cuda" in plan  # the workers on nccl, one GPU a rank
     for tp in (2, 4, 8):
-        assert f"--nproc-per-node={tp} tests/distributed/tp_worker.py" in plan
-        assert f"--nproc-per-node={tp} tests/linear/_tp_worker.py" in plan
+        assert f"--nproc-per-node={tp} tests/cross_entropy/_distributed_worker.py" in plan
+        assert f"--nproc-per-node={tp} tests/linear_cross_entropy/_distributed_worker.py" in plan
         for variant in ("ours", "native", "native_fused"):
             assert f"--tensor-model-parallel-size {tp} " in plan
             assert f"pretrain/tp{tp}_{variant}.json" in plan

@@ -1,0 +1,154 @@
+"""torchrun worker: fused linear cross entropy on vocabulary shards vs the full-vocab fp64 oracle.
+
+    torchrun --nproc-per-node N tests/linear_cross_entropy/_distributed_worker.py
+
+Every rank builds the same full ``e``, ``c``, bias and targets (fixed seed), keeps its rows of
+``c`` (and, with sequence parallelism, its slice of ``e``'s first dim) and checks: the loss is
+the full-vocabulary loss and bitwise the same on every rank; ``dC`` (and dbias) is its slice of
+the full gradient; ``dE`` is the full gradient (or its sequence slice). Exits non-zero on the
+first mismatch; prints ``N linear cases passed on W ranks`` (``run_checks`` in
+tests/_torchrun.py: rank 0 writes each case's outcome as JSON when launched by the tests).
+
+gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
+``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
+and the fp64 reference is computed on the CPU (``benchmarks/run_multigpu.sh`` does this).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests._torchrun import end_worker, init_worker_process_group, run_checks
+
+from tests._budgets import one_saved_tile_budget
+from tests._linear_oracle import reference_grads
+from vocab_parallel_loss import linear_cross_entropy, settings
+from vocab_parallel_loss.ops.fused_linear import strategy as strategy_mod
+from vocab_parallel_loss.kernels import linear as K
+
+DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
+
+
+def init_process_group() -> None:
+    global DEVICE
+    DEVICE = init_worker_process_group()
+
+
+def gif_config() -> "K.LCEConfig":
+    """Gradients formed in forward, in several row chunks even on the tiny shapes."""
+    if DEVICE.type == "cuda" and not settings.interpreting():
+        return K.default_config(DEVICE).replace(strategy="grad_in_forward", gif_rows=16)
+    return K.INTERPRET_CONFIG.replace(strategy="grad_in_forward")
+
+
+def same_on_every_rank(t: torch.Tensor) -> None:
+    gathered = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, t.contiguous())
+    for g in gathered:
+        assert torch.equal(torch.nan_to_num(g, 7.0), torch.nan_to_num(t, 7.0)), "ranks disagree"
+
+
+def close(name, got, want, rtol):
+    scale = want.abs().max().item() or 1.0
+    err = (got.double().cpu() - want).abs().max().item()
+    assert err <= rtol * scale + 1e-9, f"{name}: max err {err:.3g}, scale {scale:.3g}"
+
+
+def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_loss=0.0,
+               softcap=None, bias=False, shift=0, sp=False, gif=False, budget=None, v_local=23,
+               h=24, s=8, b=4):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    K.config.OVERRIDE_CONFIG = gif_config() if gif else None
+    assert (K.default_config(DEVICE).strategy == "grad_in_forward") == gif
+    v = v_local * world
+    gen = torch.Generator().manual_seed(1234)
+    # sequence parallel: Megatron's output-layer input [s, b, h], the sequence (and the shift)
+    # along dim 0; else [b, s, h], the shift along dim -2
+    lead = (s, b) if sp else (b, s)
+    e_full = torch.randn(*lead, h, generator=gen).to(dtype)
+    c_full = torch.randn(v, h, generator=gen).to(dtype)
+    bias_full = torch.randn(v, generator=gen).to(dtype) if bias else None
+    t = torch.randint(0, v, lead, generator=gen)
+    t[torch.rand(lead, generator=gen) < 0.2] = -100
+    up = torch.randn(lead, generator=gen)
+    up = up[shift:] if sp else up[..., shift:]
+
+    rows = slice(rank * v_local, (rank + 1) * v_local)
+    seq = slice(rank * lead[0] // world, (rank + 1) * lead[0] // world)
+    e = (e_full[seq] if sp else e_full).to(DEVICE, copy=True).requires_grad_()
+    c = c_full[rows].to(DEVICE, copy=True).requires_grad_()
+    bb = bias_full[rows].to(DEVICE, copy=True).requires_grad_() if bias else None
+    kw = dict(reduction=reduction, label_smoothing=smoothing, z_loss=z_loss, softcap=softcap,
+              shift=shift)
+    if budget == "one-tile":  # the first logits tile saved, the rest recomputed
+        cfg = K.default_config(DEVICE)
+        budget = one_saved_tile_budget(K, s * b, h, v_local, e.element_size(), cfg,
+                                       sequence_parallel=sp and dist.get_world_size() > 1)
+        picked = strategy_mod.choose_strategy(K, e, c, None, reduction, sp, dist.group.WORLD, softcap,
+                                        smoothing, budget)
+        assert impl != "triton" or picked == ("saved", None, cfg.fwd_block_v), picked
+    loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,
+                                sequence_parallel=sp, impl=impl, memory_budget=budget, **kw)
+    g = up if reduction == "none" else torch.ones(())
+    leaves = [e, c] + ([bb] if bias else [])
+    grads = torch.autograd.grad(loss, leaves, g.to(DEVICE, loss.dtype))
+
+    if sp:  # the oracle shifts along dim -2: give it [b, s, h], then transpose back
+        want, wgrads = reference_grads(e_full.transpose(0, 1), c_full, t.t(), bias_full,
+                                       g.t() if g.dim() else g, **kw)
+        want = want.t() if want.dim() else want
+        wgrads = (wgrads[0].transpose(0, 1),) + tuple(wgrads[1:])
+    else:
+        want, wgrads = reference_grads(e_full, c_full, t, bias_full, g, **kw)
+    same_on_every_rank(loss.detach())
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss.detach().double().cpu(), want, atol=tol * 10, rtol=tol)
+    wde = wgrads[0][seq] if sp else wgrads[0]
+    close("dE", grads[0], wde, tol)
+    close("dC", grads[1], wgrads[1][rows], tol)
+    if bias:
+        close("dbias", grads[2], wgrads[2][rows], tol)
+    assert grads[0].dtype == dtype and grads[1].dtype == dtype
+
+
+CASES = [
+    dict(reduction="mean", smoothing=0.1),  # label smoothing must use the GLOBAL V and sum
+    dict(reduction="none", softcap=4.0, bias=True, z_loss=1e-3),
+    dict(reduction="sum", shift=1, smoothing=0.1),
+    dict(reduction="mean", sp=True, smoothing=0.1, bias=True),
+    dict(reduction="none", sp=True, softcap=3.0),
+    dict(reduction="mean", sp=True, shift=1),
+    dict(reduction="none", sp=True, shift=2, bias=True),  # [s - 2, b] per-token losses
+    dict(reduction="mean", dtype=torch.bfloat16, smoothing=0.1, sp=True),
+    # the default budget saves the logits tiles; 0 recomputes them in backward
+    dict(reduction="none", softcap=4.0, bias=True, z_loss=1e-3, budget=0),
+    dict(reduction="mean", sp=True, smoothing=0.1, bias=True, budget=0),
+    dict(reduction="none", sp=True, shift=2, bias=True, budget=0),
+    dict(reduction="none", sp=True, bias=True, budget="one-tile", v_local=95, h=8),
+    # gradients formed in forward: one stats all-gather per row chunk
+    dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
+    dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),
+]
+
+
+def case_name(impl, case) -> str:
+    return impl + "/" + ",".join(f"{k}={getattr(v, '__name__', v)}".replace("torch.", "")
+                                 for k, v in case.items())
+
+
+def main() -> int:
+    init_process_group()
+    torch.manual_seed(0)
+    impls = sys.argv[1:] or ["triton", "torch"]
+    run_checks(((case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
+                for impl in impls for case in CASES if impl == "triton" or not case.get("gif")),
+               summary="linear cases passed")
+    dist.barrier()
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""torchrun worker: log-probs and entropy on vocabulary shards vs the full-vocabulary fp64 oracle.
+
+Every rank builds the same full inputs (fixed seed) and keeps its shard: the outputs must be the
+full-vocabulary values, bitwise equal on every rank; the logits' (and weight's) gradient is its
+slice of the full gradient, the hidden states' the full one (or its sequence slice). Cases: equal
+shards, unequal shards through ``vocab_range`` (the last rank's shard padded), sequence
+parallelism; the hidden-state path (``linear_token_logprobs``) under each strategy of the fused
+engine. Prints ``N log-prob cases passed on W ranks``; launched by the tests, rank 0 writes each
+case's outcome as JSON (``run_checks`` in tests/_torchrun.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tests._torchrun import end_worker, init_worker_process_group, run_checks
+from tests._budgets import one_saved_tile_budget
+from tests._logprobs_oracle import oracle
+from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
+from vocab_parallel_loss.ops.fused_linear.strategy import choose_strategy
+from vocab_parallel_loss.kernels import linear as K
+
+
+def same_on_every_rank(t):
+    got = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(got, t.contiguous())
+    assert all(torch.equal(torch.nan_to_num(g, 7.0), torch.nan_to_num(t, 7.0)) for g in got)
+
+
+def close(name, got, want, tol=2e-5):
+    err = (got.double() - want).abs().max().item()
+    assert err <= tol * max(1.0, want.abs().max().item()), f"{name}: max err {err:.3g}"
+
+
+def shards(vocab, world, rank, unequal):
+    """(start, stop, width) of this rank: equal widths, or widths 1 apart with the last padded."""
+    if not unequal:
+        w = vocab // world
+        return rank * w, (rank + 1) * w, w
+    width = -(-vocab // world)
+    start = min(vocab, rank * width)
+    return start, min(vocab, start + width), width
+
+
+def case_logits(unequal, per_token_t):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    vocab = 10 * world + (3 if unequal else 0)
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(4, 3, vocab, generator=g, dtype=torch.float64) * 2
+    t = torch.randint(0, vocab, (4, 3), generator=g)
+    t[1, 2] = -100
+    temp = torch.rand(4, 3, generator=g, dtype=torch.float64) + 0.5 if per_token_t else 1.3
+    g_lp, g_ent = torch.randn(4, 3, generator=g), torch.randn(4, 3, generator=g)
+    start, stop, width = shards(vocab, world, rank, unequal)
+    local = torch.full((4, 3, width), -1e30)
+    local[..., :stop - start] = z[..., start:stop].float()
+    local = local.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # [b, s, v] view
+    out = token_logprobs(local, t, tp_group=dist.group.WORLD, return_entropy=True,
+                         return_argmax=True, temperature=temp.float() if per_token_t else temp,
+                         vocab_range=(start, stop) if unequal else None)
+    for x in out:
+        same_on_every_rank(x)
+    z64 = z.clone().requires_grad_()
+    lp, ent, am = oracle(z64, t, temp)
+    close("log_probs", out.log_probs, lp.detach())
+    close("entropy", out.entropy, ent.detach())
+    assert torch.equal(out.argmax, am)
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    close("dlogits", local.grad[..., :stop - start], z64.grad[..., start:stop])
+    assert torch.all(local.grad[..., stop - start:] == 0)
+
+
+def case_hidden(sp, unequal, budget):
+    """The fused path under TP: ``budget`` "saved" (every tile), "split" (the first tile saved,
+    the rest recomputed) or "recompute" (``memory_budget=0``; the PyTorch backend ignores it)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    s, b, h, v_local = 2 * world, 6, 8, 75
+    vocab = v_local * world - (2 if unequal else 0)  # unequal: the last rank holds 2 padding rows
+    g = torch.Generator().manual_seed(6)
+    e = torch.randn(s, b, h, generator=g, dtype=torch.float64)
+    c = torch.randn(v_local * world, h, generator=g, dtype=torch.float64) * 0.5
+    t = torch.randint(0, vocab, (s, b), generator=g)
+    t[0, 0] = -100
+    g_lp, g_ent = torch.randn(s, b, generator=g), torch.randn(s, b, generator=g)
+    # a per-token temperature for the split cases (the full [s, b] one under sequence parallel)
+    temp = torch.rand(s, b, generator=g, dtype=torch.float64) + 0.5 if budget == "split" else 0.8
+    rows = slice(rank * (s // world), (rank + 1) * (s // world))
+    start, stop = rank * v_local, min(vocab, (rank + 1) * v_local)
+    e_mine = (e[rows] if sp else e).float().requires_grad_()
+    c_mine = c[start:start + v_local].float().requires_grad_()
+    memory_budget = None
+    if budget != "saved":
+        cfg = K.default_config(e_mine.device)
+        n = s * b
+        memory_budget = (0 if budget == "recompute"
+                         else one_saved_tile_budget(K, n, h, v_local, 4, cfg,
+                                                    sequence_parallel=sp and world > 1))
+        if budget == "split" and backends.triton_runs(e_mine):
+            picked = choose_strategy(K, e_mine, c_mine, None, "none", sp, dist.group.WORLD,
+                                     None, 0.0, memory_budget)
+            assert picked == ("saved", None, cfg.fwd_block_v), picked
+    out = linear_token_logprobs(e_mine, c_mine, t, tp_group=dist.group.WORLD,
+                                sequence_parallel=sp, return_entropy=True, return_argmax=True,
+                                temperature=temp.float() if budget == "split" else temp,
+                                memory_budget=memory_budget,
+                                vocab_range=(start, stop) if unequal else None)
+    for x in out:
+        same_on_every_rank(x)
+    e64, c64 = e.clone().requires_grad_(), c.clone().requires_grad_()
+    lp, ent, am = oracle(e64 @ c64.t(), t, temp, valid=vocab)
+    close("log_probs", out.log_probs, lp.detach())
+    close("entropy", out.entropy, ent.detach())
+    assert torch.equal(out.argmax, am)
+    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    close("dE", e_mine.grad, e64.grad[rows] if sp else e64.grad, 1e-4)
+    close("dC", c_mine.grad[:stop - start], c64.grad[start:stop], 1e-4)
+    assert torch.all(c_mine.grad[stop - start:] == 0)
+
+
+def checks(impls):
+    def on(impl, case, *args):
+        def run():
+            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+            case(*args)
+        return run
+
+    for impl in impls:
+        for unequal in (False, True):
+            for per_token_t in (False, True):
+                yield (f"{impl}/logits/unequal={unequal}/per_token_t={per_token_t}",
+                       on(impl, case_logits, unequal, per_token_t))
+        for sp, unequal, budget in ((False, False, "saved"), (True, False, "split"),
+                                    (True, True, "recompute"), (False, True, "split")):
+            yield (f"{impl}/hidden/sp={sp}/unequal={unequal}/{budget}",
+                   on(impl, case_hidden, sp, unequal, budget))
+
+
+def main():
+    init_worker_process_group()
+    run_checks(checks(sys.argv[1].split(",")), summary="log-prob cases passed")
+    dist.barrier()  # no rank tears gloo down while another still sends
+    end_worker()  # no interpreter finalization: see tests/_torchrun.py
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Per-token log-probs and entropy over logits (``token_logprobs``) against the fp64 oracle, on
+both backends: values and gradients under random upstream gradients. (The last two tests also
+cover ``linear_token_logprobs`` beside it: under torch.compile and for a second derivative.)"""
+
+import pytest
+import torch
+
+from tests._logprobs_oracle import TOL, logprob_grads as _grads, oracle
+from vocab_parallel_loss import linear_token_logprobs, token_logprobs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("per_token_t", [False, True])
+def test_from_logits_matches_oracle(impl, dtype, per_token_t):
+    g = torch.Generator().manual_seed(1)
+    z = (torch.randn(3, 5, 37, generator=g) * 3).to(dtype)
+    z = z.transpose(0, 1).requires_grad_()  # a strided [s, b, v] view
+    t = torch.randint(0, 37, (5, 3), generator=g)
+    t[0, 1] = -100
+    temp = torch.rand(5, 3, generator=g) + 0.5 if per_token_t else 0.7
+    out = token_logprobs(z, t, temperature=temp, return_entropy=True, return_argmax=True)
+    lp, ent, am = oracle(z.detach(), t, temp)
+    tol = TOL[dtype]
+    assert out.log_probs.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=tol * 10, rtol=tol)
+    assert torch.equal(out.argmax, am)
+    g_lp, g_ent = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    (got,) = _grads((out.log_probs, out.entropy), z, g_lp.to(out.log_probs.dtype),
+                    g_ent.to(out.log_probs.dtype))
+    z64 = z.detach().double().requires_grad_()
+    lp64, ent64, _ = oracle(z64, t, temp)
+    (want,) = _grads((lp64, ent64), z64, g_lp.double(), g_ent.double())
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.double(), want, atol=tol * 10 * want.abs().max().item(),
+                               rtol=0)
+
+
+def test_large_offset_and_masked_padding_keep_precision(impl):
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 29, generator=g) + 1.0e4
+    z[:, -3:] = float("-inf")  # masked vocabulary padding
+    t = torch.randint(0, 26, (4,), generator=g)
+    out = token_logprobs(z, t, return_entropy=True)
+    lp, ent, _ = oracle(z, t)
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=1e-5, rtol=1e-5)
+
+
+def test_vocab_range_pads_and_out_of_range_is_nan(impl):
+    z = torch.randn(6, 20, requires_grad=True)
+    t = torch.tensor([0, 5, 16, 17, -100, 3])  # 17: past the 17-id vocabulary
+    out = token_logprobs(z, t, vocab_range=(0, 17), return_entropy=True, return_argmax=True)
+    lp, ent, am = oracle(z.detach(), t.clamp(max=16), valid=17)
+    assert torch.isnan(out.log_probs[3])
+    keep = torch.tensor([0, 1, 2, 4, 5])
+    torch.testing.assert_close(out.log_probs[keep].double(), lp[keep], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy[keep].double(), ent[keep], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.argmax, am)
+    out.entropy.sum().backward()
+    assert torch.all(z.grad[:, 17:] == 0) and torch.all(z.grad[4] == 0)
+
+
+def test_errors_name_the_argument():
+    z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=0.0)
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=torch.ones(2))
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=torch.ones(3, requires_grad=True))
+    with pytest.raises(ValueError, match="vocab_range"):
+        token_logprobs(z, t, vocab_range=(0, 9))
+    with pytest.raises(TypeError, match="target"):
+        token_logprobs(z, t.float())
+    with pytest.raises(ValueError, match="ignore_index"):
+        token_logprobs(z, t, ignore_index=-100.5)
+
+
+def test_torch_compile_matches_eager(impl):
+    # the Triton row kernels run as a graph break, the PyTorch backend is traced
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 41, generator=g).requires_grad_()
+    e = torch.randn(19, 24, generator=g).requires_grad_()
+    c = torch.randn(41, 24, generator=g).requires_grad_()
+    t = torch.randint(0, 41, (19,), generator=g)
+    a, b = torch.rand(19, generator=g), torch.rand(19, generator=g)
+    torch._dynamo.reset()
+    for fn, leaves in ((lambda x, e, c: token_logprobs(x, t, return_entropy=True), (x,)),
+                       (lambda x, e, c: linear_token_logprobs(e, c, t, return_entropy=True),
+                        (e, c))):
+        got = []
+        for f in (torch.compile(fn), fn):
+            out = f(x, e, c)
+            total = (a * out.log_probs + b * out.entropy).sum()
+            got.append((out.log_probs.detach(), out.entropy.detach(),
+                        *torch.autograd.grad(total, leaves)))
+        for u, w in zip(*got):
+            torch.testing.assert_close(u, w, atol=1e-6, rtol=1e-6)
+
+
+def test_second_derivative_is_refused(impl):
+    g = torch.Generator().manual_seed(9)
+    e = torch.randn(5, 8, generator=g, requires_grad=True)
+    c = torch.randn(12, 8, generator=g, requires_grad=True)
+    z = torch.randn(5, 12, generator=g, requires_grad=True)
+    t = torch.randint(0, 12, (5,), generator=g)
+    for out, leaf in ((linear_token_logprobs(e, c, t), e), (token_logprobs(z, t), z)):
+        with pytest.raises(RuntimeError, match="second derivative"):
+            torch.autograd.grad(out.log_probs.sum(), leaf, create_graph=True)
+
+

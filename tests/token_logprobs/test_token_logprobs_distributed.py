@@ -1,0 +1,40 @@
+"""Log-probs and entropy under real tensor parallelism (torchrun, gloo): 2 and 3 ranks, equal and
+unequal (``vocab_range``) shards, sequence parallelism, both backends.
+
+One launch per world size of ``_distributed_worker.py`` runs the cases of both ops (over logits,
+``token_logprobs``; from hidden states, ``linear_token_logprobs``, under each strategy of the
+fused engine); each test reads its op's outcomes."""
+
+from pathlib import Path
+
+import pytest
+
+from tests._torchrun import check_passed, torchrun_results, triton_runs_here
+
+WORKER = Path(__file__).with_name("_distributed_worker.py")
+IMPLS = ["triton", "torch"] if triton_runs_here() else ["torch"]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"{n}ranks")
+def results(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"tp{request.param}") / "results.json"
+    return torchrun_results(WORKER, request.param, ",".join(IMPLS), results=out, timeout=600)
+
+
+def _passed(results, kind, n):
+    names = [name for name in results if name.split("/")[1] == kind]
+    for name in names:
+        check_passed(results, name)
+    assert len(names) == n * len(IMPLS), names
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_token_logprobs_matches_full_vocab_oracle(results):
+    _passed(results, "logits", 4)  # equal / unequal shards, scalar / per-token temperature
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_linear_token_logprobs_matches_full_vocab_oracle(results):
+    _passed(results, "hidden", 4)  # saved, split (SP; unequal), recompute (SP, unequal)
