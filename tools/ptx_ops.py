@@ -43,7 +43,7 @@ def compile_variant(kernel: str, v: int, dtype: torch.dtype, smoothing: bool, z:
         consts = dict(MEAN=False, HAS_SMOOTHING=smoothing, HAS_Z=z, UNLESS_UNIT=False)
     elif kernel == "fused":  # the mean, out of place, without programmatic dependent launch
         fn, cfg = K._ce_forward_grad_kernel, dict(K.fused_config(v, dtype, smoothing))
-        cfg.pop("programs_per_sm")
+        cfg.pop("programs_per_sm", None)
         consts = dict(MEAN=True, HAS_SMOOTHING=smoothing, HAS_Z=z, GDC=False)
     else:
         fn, cfg = K._ce_forward_kernel, dict(K.forward_config(v, dtype))
