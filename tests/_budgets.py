@@ -27,9 +27,9 @@ def device_columns(K, columns: int, device) -> int:
 
 
 def narrow_chunk_config(K, device):
-    """For a budget between the saved and the recompute strategies on a GPU: the device's
-    configuration (read with no ``OVERRIDE_CONFIG`` set) with backward chunks a tile wide; None
-    on the CPU, where the interpreter's chunks are that narrow already. A GPU's default chunk
+    """For a budget between the saved and the recompute strategies on a GPU: the configuration
+    ``K.default_config(device)`` gives, with backward chunks a tile wide; None on the CPU, where
+    the interpreter's chunks are that narrow already. A GPU's default chunk
     (128 MiB) holds every column of a test's shard, and the recompute path then needs about what
     saving every tile does: no budget would save the first tiles and recompute the rest."""
     if device.type != "cuda" or settings.interpreting():
