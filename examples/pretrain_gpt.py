@@ -2,9 +2,12 @@
 """Train a megatron-core GPTModel with the exact vocab-parallel loss (or megatron-core's own).
 
 Megatron-LM-style flags; defaults from a YAML file given by ``--config`` (command-line flags win).
-Runs under ``torchrun`` on CPU (gloo) or GPU (nccl), chosen automatically::
+Runs under ``torchrun`` on CPU (gloo) or GPU (nccl, one GPU a rank), chosen automatically::
 
     torchrun --nproc-per-node 2 examples/pretrain_gpt.py --config examples/configs/tiny_gpt_tp2.yaml
+
+``--device cuda:0`` puts every rank on that one GPU, over gloo (NCCL refuses two ranks on one GPU):
+tensor parallelism with a single GPU.
 
 Data: by default real text needing no download, the Python standard library's source files,
 tokenized by a byte-level BPE tokenizer trained on the fly (``tokenizers``); ``--synthetic-data``
@@ -74,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations, fp32 master weights")
     g = p.add_argument_group("parallelism")
+    g.add_argument("--device", type=str, default="auto",
+                   help="auto: cuda if a GPU is present, else cpu; cpu: gloo; cuda: nccl, one GPU a rank "
+                        "(LOCAL_RANK); cuda:N: every rank on GPU N (of those CUDA_VISIBLE_DEVICES shows), gloo")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="only 1 is supported here")
     g = p.add_argument_group("training")
@@ -185,23 +191,42 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("this script runs pipeline-model-parallel-size 1 only")
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    if args.device not in ("auto", "cpu", "cuda") and not (
+        args.device.startswith("cuda:") and args.device[5:].isdigit()
+    ):
+        parser.error(f"--device {args.device}: expected auto, cpu, cuda or cuda:N")
     return args
 
 
 # --------------------------------------------------------------------------------- distributed
-def init_distributed() -> None:
-    """torch.distributed from torchrun's environment (or a single process): nccl on GPU, gloo on CPU."""
+def init_distributed(spec: str) -> torch.device:
+    """torch.distributed from torchrun's environment (or a single process) for ``--device``; returns
+    this rank's device. ``cuda``: nccl, the GPU of this rank's LOCAL_RANK. ``cuda:N``: every rank
+    on GPU N over gloo; gloo moves CUDA tensors through the host, bf16 included, and megatron-core
+    makes its groups with the default backend, so they are gloo groups too."""
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("LOCAL_RANK", "0")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        backend = "nccl"
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cpu":
+        device, backend = torch.device("cpu"), "gloo"
     else:
-        backend = "gloo"
+        if not torch.cuda.is_available():
+            raise SystemExit(f"--device {spec}: no CUDA device is visible")
+        shared = spec != "cuda"
+        index = int(spec[5:]) if shared else int(os.environ["LOCAL_RANK"])
+        if index >= torch.cuda.device_count():
+            hint = "; --device cuda:0 runs every rank on one GPU" if not shared else ""
+            raise SystemExit(f"--device {spec}: GPU {index} asked for, {torch.cuda.device_count()} visible{hint}")
+        device, backend = torch.device("cuda", index), "gloo" if shared else "nccl"
+        # megatron-core allocates on torch.cuda.current_device(): every rank's current device must
+        # be the one its tensors live on (GPU N for all ranks when shared, not LOCAL_RANK)
+        torch.cuda.set_device(device)
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    return device
 
 
 def print0(*a, **k) -> None:
@@ -402,7 +427,7 @@ def lr_at(step: int, args) -> float:
 # ---------------------------------------------------------------------------------------- main
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    init_distributed()
+    device = init_distributed(args.device)
     from megatron.core import parallel_state
 
     tp = args.tensor_model_parallel_size
@@ -411,7 +436,6 @@ def main(argv=None) -> dict:
         raise SystemExit(f"world size {world} is not a multiple of --tensor-model-parallel-size {tp}")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     _compat.model_parallel_seed(args.seed)
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     tp_group = parallel_state.get_tensor_model_parallel_group()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_group = parallel_state.get_data_parallel_group()
@@ -440,7 +464,7 @@ def main(argv=None) -> dict:
     fused_linear = model.vocab_parallel_loss is not None and model.loss_config.fused_linear
     n_params = sum(p.numel() for p in model.parameters())
     print0(
-        f"megatron-core {_compat.megatron_version()}, torch {torch.__version__}, {dist.get_backend()} on {device.type}, "
+        f"megatron-core {_compat.megatron_version()}, torch {torch.__version__}, {dist.get_backend()} on {device}, "
         f"world {world} = TP {tp} x DP {dp_size}; {n_params:,} parameters per rank; loss: {loss_name}"
         + (" fused with the output layer (no logits)" if fused_linear else "")
     )
@@ -526,7 +550,8 @@ def main(argv=None) -> dict:
         peak = float(peak_t) / 2**30
     summary = dict(
         loss_impl=loss_name, megatron_core=_compat.megatron_version(), torch=torch.__version__,
-        device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", world=world, tp=tp, dp=dp_size,
+        device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", world=world, tp=tp, dp=dp_size,
+        rank_device=str(device), backend=dist.get_backend(),
         vocab=vocab, padded_vocab=padded, seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
         hidden_size=args.hidden_size, num_layers=args.num_layers, bf16=args.bf16, train_iters=args.train_iters,
         first_loss=losses[0], final_loss=losses[-1], losses=losses, step_time_s=step_time,

@@ -3,6 +3,7 @@ engine itself uses (``ops/fused_linear/strategy.py``)."""
 
 from __future__ import annotations
 
+from vocab_parallel_loss import settings
 from vocab_parallel_loss.ops.fused_linear.strategy import recompute_de_bytes
 
 
@@ -15,3 +16,22 @@ def one_saved_tile_budget(K, n: int, h: int, v: int, size: int, cfg, need_de: bo
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
     hold, rounding = recompute_de_bytes(n, h, size, need_de, sequence_parallel)
     return max(hold + chunk, rounding) + K.saved_bytes(n, tiles * cfg.fwd_block_v, size, cfg)
+
+
+def device_columns(K, columns: int, device) -> int:
+    """``columns`` written for the interpreter's tiles (``INTERPRET_CONFIG.fwd_block_v``), carried
+    over to ``device``'s: as many whole tiles and the same remainder, so that a shard spanning
+    several tiles on the CPU spans several of a GPU's wider ones too."""
+    whole, rest = divmod(columns, K.INTERPRET_CONFIG.fwd_block_v)
+    return whole * K.default_config(device).fwd_block_v + rest
+
+
+def narrow_chunk_config(K, device):
+    """For a budget between the saved and the recompute strategies on a GPU: the configuration
+    ``K.default_config(device)`` gives, with backward chunks a tile wide; None on the CPU, where
+    the interpreter's chunks are that narrow already. A GPU's default chunk
+    (128 MiB) holds every column of a test's shard, and the recompute path then needs about what
+    saving every tile does: no budget would save the first tiles and recompute the rest."""
+    if device.type != "cuda" or settings.interpreting():
+        return None
+    return K.default_config(device).replace(chunk_bytes=1)

@@ -2,6 +2,10 @@
 
 Test side: ``run_torchrun`` runs a script and fails the test with the workers' output;
 ``torchrun_results`` also hands the script a JSON path and returns what the ranks recorded.
+``device`` (``$VPL_TEST_DEVICE`` in the workers): ``"cpu"`` (gloo; the Triton kernels through
+Triton's interpreter), ``"cuda"`` (nccl, one GPU a rank: ``LOCAL_RANK``) or ``"cuda:N"`` (every
+rank on GPU N, over gloo: NCCL refuses two ranks on one GPU, and gloo runs every collective the
+package uses on CUDA tensors, so one GPU can hold a whole TP group).
 Worker side: ``run_checks`` runs named checks on every rank, gathers the outcomes, and rank 0
 writes them as JSON to the path the launcher gave (``$VPL_TORCHRUN_RESULTS``); without it (a
 worker launched by hand or by benchmarks/run_multigpu.sh) it prints and exits non-zero on a
@@ -21,14 +25,22 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 RESULTS_ENV = "VPL_TORCHRUN_RESULTS"
+DEVICE_ENV = "VPL_TEST_DEVICE"
 
 
-def run_torchrun(script, nproc: int, *args: str, timeout: float = 900, env=None, cwd=REPO) -> str:
+def run_torchrun(script, nproc: int, *args: str, timeout: float = 900, env=None, cwd=REPO,
+                 device: str | None = None) -> str:
     """Run ``script`` on ``nproc`` ranks; fail the test with the workers' output on error.
     ``env``: the workers' environment (default this process's); the repository is put first on
-    its PYTHONPATH unless that names it already (where it is kept)."""
+    its PYTHONPATH unless that names it already (where it is kept). ``device``: the workers'
+    ``$VPL_TEST_DEVICE`` (default: the environment's, else ``"cpu"``)."""
     env = dict(os.environ if env is None else env)
-    env.setdefault("TRITON_INTERPRET", "1")
+    if device is not None:
+        env[DEVICE_ENV] = device
+    if env.get(DEVICE_ENV, "cpu").startswith("cuda"):
+        env.pop("TRITON_INTERPRET", None)  # the kernels compile for the GPU
+    else:
+        env.setdefault("TRITON_INTERPRET", "1")
     if str(REPO) not in env.get("PYTHONPATH", "").split(os.pathsep):
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -42,7 +54,7 @@ def run_torchrun(script, nproc: int, *args: str, timeout: float = 900, env=None,
 
 
 def torchrun_results(script, nproc: int, *args: str, results: Path, timeout: float = 900,
-                     env=None, cwd=REPO) -> dict:
+                     env=None, cwd=REPO, device: str | None = None) -> dict:
     """Run ``script`` on ``nproc`` ranks with ``$VPL_TORCHRUN_RESULTS=results`` and return the
     JSON its rank 0 wrote there: ``{check: {"ok": bool, "error": str, ...}}`` (see
     ``gather_results``). A launch that failed returns what was written when that records a failed
@@ -50,7 +62,7 @@ def torchrun_results(script, nproc: int, *args: str, results: Path, timeout: flo
     the workers' output."""
     env = dict(os.environ if env is None else env, **{RESULTS_ENV: str(results)})
     try:
-        out = run_torchrun(script, nproc, *args, timeout=timeout, env=env, cwd=cwd)
+        out = run_torchrun(script, nproc, *args, timeout=timeout, env=env, cwd=cwd, device=device)
     except AssertionError:
         if Path(results).exists():
             got = json.loads(Path(results).read_text())
@@ -121,9 +133,8 @@ def gather_results(results: dict, summary: str = "cases passed") -> dict:
             for name in failed:
                 print(f"FAILED {merged[name].get('error', name)}", file=sys.stderr, flush=True)
         else:
-            device = "cuda" if os.environ.get("VPL_TEST_DEVICE") == "cuda" else "cpu"
-            print(f"{len(merged)} {summary} on {dist.get_world_size()} ranks ({device}, "
-                  f"{dist.get_backend()})", flush=True)
+            print(f"{len(merged)} {summary} on {dist.get_world_size()} ranks "
+                  f"({os.environ.get(DEVICE_ENV, 'cpu')}, {dist.get_backend()})", flush=True)
     if failed:
         dist.barrier()  # rank 0 has written
         sys.stdout.flush()
@@ -139,16 +150,28 @@ def _write(results: dict) -> None:
 
 
 def init_worker_process_group():
-    """In a torchrun worker: gloo on CPU (default), or nccl on this rank's GPU when
-    ``VPL_TEST_DEVICE=cuda`` (how benchmarks/run_multigpu.sh runs the workers). Returns the device."""
+    """In a torchrun worker: the process group and this rank's device, from
+    ``$VPL_TEST_DEVICE``: ``cpu`` (default), gloo; ``cuda``, nccl on this rank's GPU
+    (``LOCAL_RANK``; how benchmarks/run_multigpu.sh runs the workers); ``cuda:N``, every rank on
+    GPU N over gloo (see the module's docstring). Returns the device."""
     import torch
     import torch.distributed as dist
 
-    if os.environ.get("VPL_TEST_DEVICE", "cpu") == "cuda":
+    spec = os.environ.get(DEVICE_ENV, "cpu")
+    if spec == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
         return device
+    if spec.startswith("cuda:"):
+        device = torch.device(spec)
+        if not torch.cuda.is_available() or device.index >= torch.cuda.device_count():
+            raise RuntimeError(f"{DEVICE_ENV}={spec}: no such CUDA device here")
+        torch.cuda.set_device(device)
+        dist.init_process_group("gloo")
+        return device
+    if spec != "cpu":
+        raise ValueError(f"{DEVICE_ENV}={spec!r}: expected cpu, cuda or cuda:N")
     dist.init_process_group("gloo")
     return torch.device("cpu")
 

@@ -7,8 +7,9 @@ gradient equals its slice of the full gradient. Exits non-zero on the first mism
 by the tests).
 
 gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
-``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
-and the fp64 reference is computed on the CPU (``benchmarks/run_multigpu.sh`` does this).
+``LOCAL_RANK``; ``benchmarks/run_multigpu.sh`` does this), ``VPL_TEST_DEVICE=cuda:0`` with every
+rank on GPU 0 over gloo (the GPU tests): the inputs are still built on the CPU with the same seed
+and moved to the GPU, and the fp64 reference is computed on the CPU.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from vocab_parallel_loss import (VocabParallelCrossEntropy, backends, parallel_c
 
 ce_mod = importlib.import_module("vocab_parallel_loss.ops.cross_entropy.function")
 
-DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
+DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda[:N]
 
 
 def init_process_group() -> None:

@@ -1,4 +1,5 @@
-"""The core loss on CUDA (run on the H200: ``pytest -m gpu tests/cross_entropy``)."""
+"""The core loss on CUDA (run on the H200: ``pytest -m gpu tests/cross_entropy``); at the end,
+tensor parallelism with every rank on the one GPU."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 from tests._oracle import full_vocab_loss, full_vocab_loss_and_grad
+from tests._torchrun import torchrun_results
+from tests.cross_entropy.test_cross_entropy_distributed import WORKER, check_every_api
 from vocab_parallel_loss import VocabParallelCrossEntropy, cross_entropy
 
 pytestmark = [pytest.mark.gpu,
@@ -308,3 +311,22 @@ def test_fast_launch_steps_aside_for_launch_hooks():
     assert len(seen) == 1
     assert _launch.counts["triton"] == before["triton"] + 1
     assert _launch.counts["fast"] == before["fast"]
+
+
+# ------------------------------------------------------------- tensor parallelism on one GPU
+#: Where the TP ranks run: all on the one GPU, over gloo (NCCL refuses two ranks on one GPU).
+SHARED_DEVICE = "cuda:0"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tp_ranks_sharing_the_gpu(nproc, tmp_path):
+    """The CPU tests' TP worker (``_distributed_worker.py``) with the kernels compiled for the
+    GPU: every API on vocabulary shards (both layouts, the reductions, label smoothing, z-loss,
+    in-place backward; fp32 and bf16), megatron-core's own loss, narrow targets and extreme
+    logits, torch.compile, both backends, against the fp64 full-vocabulary reference."""
+    impls = ["triton", "torch"]
+    got = torchrun_results(WORKER, nproc, ",".join(impls), results=tmp_path / "results.json",
+                           timeout=900, device=SHARED_DEVICE)
+    check_every_api(got, impls)

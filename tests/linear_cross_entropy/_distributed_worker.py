@@ -10,8 +10,9 @@ first mismatch; prints ``N linear cases passed on W ranks`` (``run_checks`` in
 tests/_torchrun.py: rank 0 writes each case's outcome as JSON when launched by the tests).
 
 gloo on CPU by default. ``VPL_TEST_DEVICE=cuda`` runs it on GPUs over nccl (one GPU per rank,
-``LOCAL_RANK``): the inputs are still built on the CPU with the same seed and moved to the GPU,
-and the fp64 reference is computed on the CPU (``benchmarks/run_multigpu.sh`` does this).
+``LOCAL_RANK``; ``benchmarks/run_multigpu.sh`` does this), ``VPL_TEST_DEVICE=cuda:0`` with every
+rank on GPU 0 over gloo (the GPU tests): the inputs are still built on the CPU with the same seed
+and moved to the GPU, and the fp64 reference is computed on the CPU.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ import torch.distributed as dist
 
 from tests._torchrun import end_worker, init_worker_process_group, run_checks
 
-from tests._budgets import one_saved_tile_budget
+from tests._budgets import device_columns, narrow_chunk_config, one_saved_tile_budget
 from tests._linear_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
 from vocab_parallel_loss.ops.fused_linear import strategy as strategy_mod
 from vocab_parallel_loss.kernels import linear as K
 
-DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda
+DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda[:N]
 
 
 def init_process_group() -> None:
@@ -62,6 +63,9 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
                h=24, s=8, b=4):
     rank, world = dist.get_rank(), dist.get_world_size()
     K.config.OVERRIDE_CONFIG = gif_config() if gif else None
+    v_local = device_columns(K, v_local, DEVICE)
+    if budget == "one-tile":
+        K.config.OVERRIDE_CONFIG = narrow_chunk_config(K, DEVICE)
     assert (K.default_config(DEVICE).strategy == "grad_in_forward") == gif
     v = v_local * world
     gen = torch.Generator().manual_seed(1234)
@@ -128,6 +132,7 @@ CASES = [
     dict(reduction="mean", sp=True, smoothing=0.1, bias=True, budget=0),
     dict(reduction="none", sp=True, shift=2, bias=True, budget=0),
     dict(reduction="none", sp=True, bias=True, budget="one-tile", v_local=95, h=8),
+    dict(reduction="mean", smoothing=0.1, budget="one-tile", v_local=95, h=8),
     # gradients formed in forward: one stats all-gather per row chunk
     dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
     dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),

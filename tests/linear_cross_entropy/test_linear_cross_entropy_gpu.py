@@ -1,5 +1,6 @@
 """Fused linear cross entropy on CUDA with real shapes (run on the H200:
-``pytest -m gpu tests/linear_cross_entropy/test_linear_cross_entropy_gpu.py``).
+``pytest -m gpu tests/linear_cross_entropy/test_linear_cross_entropy_gpu.py``); at the end,
+tensor parallelism with every rank on the one GPU.
 
 References are fp32 PyTorch on the materialized logits (``e.float() @ c.float().T``), which is
 exact up to fp32 summation order for bf16 inputs.
@@ -14,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from tests._cuda_graph import assert_capture_replays_eager
+from tests._torchrun import torchrun_results
+from tests.linear_cross_entropy.test_linear_cross_entropy_distributed import WORKER, check_every_case
 from vocab_parallel_loss import linear_cross_entropy
 
 K = importlib.import_module("vocab_parallel_loss.kernels.linear")
@@ -481,3 +484,23 @@ def test_cuda_graph_capture_into_main_grad(budget):
         return loss, de, c.main_grad.clone()
 
     assert_capture_replays_eager(step)
+
+
+# ------------------------------------------------------------- tensor parallelism on one GPU
+#: Where the TP ranks run: all on the one GPU, over gloo (NCCL refuses two ranks on one GPU).
+SHARED_DEVICE = "cuda:0"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_tp_ranks_sharing_the_gpu(nproc, tmp_path):
+    """The CPU tests' TP worker (``_distributed_worker.py``) with the kernels compiled for the
+    GPU: TP and TP + sequence parallelism under each strategy (every tile saved, the first tile
+    saved and the rest recomputed a tile at a time, everything recomputed, gradients formed in
+    forward), label smoothing, z-loss, softcap, bias, shifts; fp32 and bf16; both backends;
+    against the fp64 full-vocabulary reference."""
+    impls = ["triton", "torch"]
+    got = torchrun_results(WORKER, nproc, *impls, results=tmp_path / "results.json",
+                           timeout=900, device=SHARED_DEVICE)
+    check_every_case(got, impls)

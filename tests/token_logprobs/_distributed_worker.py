@@ -7,6 +7,10 @@ shards, unequal shards through ``vocab_range`` (the last rank's shard padded), s
 parallelism; the hidden-state path (``linear_token_logprobs``) under each strategy of the fused
 engine. Prints ``N log-prob cases passed on W ranks``; launched by the tests, rank 0 writes each
 case's outcome as JSON (``run_checks`` in tests/_torchrun.py).
+
+gloo on CPU by default; ``VPL_TEST_DEVICE`` (tests/_torchrun.py) puts the ranks on GPUs, e.g.
+``cuda:0``, every rank on GPU 0 over gloo (the GPU tests): the inputs are built on the CPU and
+moved there, and the fp64 oracle runs on the CPU.
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ import torch
 import torch.distributed as dist
 
 from tests._torchrun import end_worker, init_worker_process_group, run_checks
-from tests._budgets import one_saved_tile_budget
+from tests._budgets import device_columns, narrow_chunk_config, one_saved_tile_budget
 from tests._logprobs_oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
 from vocab_parallel_loss.ops.fused_linear.strategy import choose_strategy
 from vocab_parallel_loss.kernels import linear as K
+
+DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda[:N]
 
 
 def same_on_every_rank(t):
@@ -31,7 +37,7 @@ def same_on_every_rank(t):
 
 
 def close(name, got, want, tol=2e-5):
-    err = (got.double() - want).abs().max().item()
+    err = (got.double().cpu() - want).abs().max().item()
     assert err <= tol * max(1.0, want.abs().max().item()), f"{name}: max err {err:.3g}"
 
 
@@ -57,9 +63,11 @@ def case_logits(unequal, per_token_t):
     start, stop, width = shards(vocab, world, rank, unequal)
     local = torch.full((4, 3, width), -1e30)
     local[..., :stop - start] = z[..., start:stop].float()
-    local = local.transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()  # [b, s, v] view
-    out = token_logprobs(local, t, tp_group=dist.group.WORLD, return_entropy=True,
-                         return_argmax=True, temperature=temp.float() if per_token_t else temp,
+    local = local.to(DEVICE).transpose(0, 1).contiguous().transpose(0, 1)  # a [b, s, v] view
+    local.requires_grad_()
+    out = token_logprobs(local, t.to(DEVICE), tp_group=dist.group.WORLD, return_entropy=True,
+                         return_argmax=True,
+                         temperature=temp.float().to(DEVICE) if per_token_t else temp,
                          vocab_range=(start, stop) if unequal else None)
     for x in out:
         same_on_every_rank(x)
@@ -67,8 +75,8 @@ def case_logits(unequal, per_token_t):
     lp, ent, am = oracle(z64, t, temp)
     close("log_probs", out.log_probs, lp.detach())
     close("entropy", out.entropy, ent.detach())
-    assert torch.equal(out.argmax, am)
-    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    assert torch.equal(out.argmax.cpu(), am)
+    ((out.log_probs * g_lp.to(DEVICE)).sum() + (out.entropy * g_ent.to(DEVICE)).sum()).backward()
     ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
     close("dlogits", local.grad[..., :stop - start], z64.grad[..., start:stop])
     assert torch.all(local.grad[..., stop - start:] == 0)
@@ -78,7 +86,8 @@ def case_hidden(sp, unequal, budget):
     """The fused path under TP: ``budget`` "saved" (every tile), "split" (the first tile saved,
     the rest recomputed) or "recompute" (``memory_budget=0``; the PyTorch backend ignores it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    s, b, h, v_local = 2 * world, 6, 8, 75
+    K.config.OVERRIDE_CONFIG = narrow_chunk_config(K, DEVICE) if budget == "split" else None
+    s, b, h, v_local = 2 * world, 6, 8, device_columns(K, 75, DEVICE)
     vocab = v_local * world - (2 if unequal else 0)  # unequal: the last rank holds 2 padding rows
     g = torch.Generator().manual_seed(6)
     e = torch.randn(s, b, h, generator=g, dtype=torch.float64)
@@ -90,8 +99,8 @@ def case_hidden(sp, unequal, budget):
     temp = torch.rand(s, b, generator=g, dtype=torch.float64) + 0.5 if budget == "split" else 0.8
     rows = slice(rank * (s // world), (rank + 1) * (s // world))
     start, stop = rank * v_local, min(vocab, (rank + 1) * v_local)
-    e_mine = (e[rows] if sp else e).float().requires_grad_()
-    c_mine = c[start:start + v_local].float().requires_grad_()
+    e_mine = (e[rows] if sp else e).float().to(DEVICE).requires_grad_()
+    c_mine = c[start:start + v_local].float().to(DEVICE).requires_grad_()
     memory_budget = None
     if budget != "saved":
         cfg = K.default_config(e_mine.device)
@@ -103,9 +112,9 @@ def case_hidden(sp, unequal, budget):
             picked = choose_strategy(K, e_mine, c_mine, None, "none", sp, dist.group.WORLD,
                                      None, 0.0, memory_budget)
             assert picked == ("saved", None, cfg.fwd_block_v), picked
-    out = linear_token_logprobs(e_mine, c_mine, t, tp_group=dist.group.WORLD,
+    out = linear_token_logprobs(e_mine, c_mine, t.to(DEVICE), tp_group=dist.group.WORLD,
                                 sequence_parallel=sp, return_entropy=True, return_argmax=True,
-                                temperature=temp.float() if budget == "split" else temp,
+                                temperature=temp.float().to(DEVICE) if budget == "split" else temp,
                                 memory_budget=memory_budget,
                                 vocab_range=(start, stop) if unequal else None)
     for x in out:
@@ -114,8 +123,8 @@ def case_hidden(sp, unequal, budget):
     lp, ent, am = oracle(e64 @ c64.t(), t, temp, valid=vocab)
     close("log_probs", out.log_probs, lp.detach())
     close("entropy", out.entropy, ent.detach())
-    assert torch.equal(out.argmax, am)
-    ((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum()).backward()
+    assert torch.equal(out.argmax.cpu(), am)
+    ((out.log_probs * g_lp.to(DEVICE)).sum() + (out.entropy * g_ent.to(DEVICE)).sum()).backward()
     ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
     close("dE", e_mine.grad, e64.grad[rows] if sp else e64.grad, 1e-4)
     close("dC", c_mine.grad[:stop - start], c64.grad[start:stop], 1e-4)
@@ -141,7 +150,8 @@ def checks(impls):
 
 
 def main():
-    init_worker_process_group()
+    global DEVICE
+    DEVICE = init_worker_process_group()
     run_checks(checks(sys.argv[1].split(",")), summary="log-prob cases passed")
     dist.barrier()  # no rank tears gloo down while another still sends
     end_worker()  # no interpreter finalization: see tests/_torchrun.py

@@ -21,11 +21,19 @@ def results(request, tmp_path_factory):
     return torchrun_results(WORKER, request.param, ",".join(IMPLS), results=out, timeout=600)
 
 
-def _passed(results, kind, n):
+def _passed(results, kind, n, impls=IMPLS):
     names = [name for name in results if name.split("/")[1] == kind]
     for name in names:
         check_passed(results, name)
-    assert len(names) == n * len(IMPLS), names
+    assert len(names) == n * len(impls), names
+
+
+def check_both_ops(results, impls) -> None:
+    """Every case of both ops passed (the two tests below); the GPU test's check
+    (test_token_logprobs_gpu.py)."""
+    _passed(results, "logits", 4, impls)
+    _passed(results, "hidden", 4, impls)
+    assert len(results) == 8 * len(impls), sorted(results)
 
 
 @pytest.mark.distributed
