@@ -81,7 +81,9 @@ class TorchBackend:
             x, _ = cls._logits(e[r0:r1], c32, b32, softcap)
             m = x.amax(dim=1)
             stats[0, r0:r1] = m
-            stats[1, r0:r1] = torch.exp(x - m[:, None]).sum(dim=1)
+            # a row of masked (-inf) columns sums exp(-inf) = 0, not exp(-inf - -inf) = NaN
+            m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+            stats[1, r0:r1] = torch.exp(x - m_safe[:, None]).sum(dim=1)
             idx, inr = cls._local_targets(targets[r0:r1], v_offset, v)
             tg = x.gather(1, idx[:, None])[:, 0]
             stats[2, r0:r1] = torch.where(inr, tg, torch.zeros_like(tg))

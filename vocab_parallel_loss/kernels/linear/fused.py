@@ -141,6 +141,19 @@ def _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS: tl.constexp
     return tl.where(col_mask[None, :], x, float("-inf")), tg, sx
 
 
+#: The tile max saved for a tile whose logits are all -inf (masked columns): finite, so that
+#: backward's ``u * exp(mt - lse)`` and ``mt + log u`` stay 0 and finite where ``u = 0``.
+_EMPTY_TILE_MAX = tl.constexpr(-3.4028234663852886e38)  # the lowest finite fp32
+
+
+@triton.jit
+def _finite_max(m):
+    """A row max to subtract that is never -inf: 0 where every logit so far is -inf (a tile or
+    row of masked columns), whose exponentials are then exp(-inf) = 0 instead of
+    exp(-inf - -inf) = NaN. One select per row, not per element."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
 @triton.jit
 def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -148,7 +161,8 @@ def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.cons
     x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
                              NEED_SUMX, BLOCK_V)
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+    ms = _finite_max(m_new)
+    s = s * tl.exp(m - ms) + tl.sum(tl.exp(x - ms[:, None]), axis=1)
     return m_new, s, tg, sx
 
 
@@ -164,16 +178,19 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     mt = tl.max(x, axis=1)
-    u = tl.exp(x - mt[:, None])
+    # an all -inf tile row: u = 0, saved with a finite max
+    mts = tl.where(mt == float("-inf"), _EMPTY_TILE_MAX, mt)
+    u = tl.exp(x - mts[:, None])
     if DESC_U:  # the copy engine stores the tile asynchronously and clips it at (N, V)
         U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
     else:
         cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
         u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
         tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & (cols < V)[None, :])
-    tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=row_mask)
+    tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mts, mask=row_mask)
     m_new = tl.maximum(m, mt)
-    s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mt - m_new)
+    ms = _finite_max(m_new)
+    s = s * tl.exp(m - ms) + tl.sum(u, axis=1) * tl.exp(mt - ms)
     return m_new, s, tg, sx
 
 
