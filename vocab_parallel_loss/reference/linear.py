@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formulas import LogprobArgs, compute_dtype, merge_logprob_stats
+from ..formulas import LOG_UNDERFLOW, LogprobArgs, compute_dtype, merge_logprob_stats
 from ..layout import RowView
 from . import logprobs as rows
 
@@ -202,7 +202,8 @@ class TorchBackend:
             z = cls._chunk_logits(ea, ck, None if bias is None else bias[c0:c1])
             x, slope = rows.transform(z, inv_t, lp.scale, softcap)
             del z
-            d = x.sub_(lse)
+            # clamped where p underflows anyway: gx * d * p is 0, not NaN, at a -inf logit
+            d = x.sub_(lse).clamp_(min=LOG_UNDERFLOW)
             dz = (gp + gx * d).mul_(torch.exp(d)).sub_(gc)
             del x, d
             idx, inr = cls._local_targets(targets, v_offset + c0, c1 - c0)
