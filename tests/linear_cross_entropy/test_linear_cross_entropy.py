@@ -726,3 +726,23 @@ def test_masked_shard_statistics_on_both_backends():
         stats = backend.forward_stats(e.detach(), c.detach(), b, t, 0, None, False)
         assert torch.all(stats[0] == float("-inf")), backend.NAME
         assert torch.all(stats[1] == 0), backend.NAME
+
+
+@pytest.mark.parametrize("reduction,region", [("mean", "both"), ("none", "both"),
+                                              ("none", "backward")])
+def test_autocast_keeps_the_inputs_precision(impl, reduction, region):
+    """Under torch.autocast to bf16, fp32 inputs still give fp32-accurate losses and gradients on
+    both backends (autocast would round the logits GEMM to bf16: ~1e-3 relative), the forward
+    and backward in the autocast region, or the backward alone (a custom Function's backward
+    runs under the autocast of the region it is called in)."""
+    e, c, b, t = make(bias=True)
+    up = torch.randn(t.shape, generator=torch.Generator().manual_seed(9))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region == "both"):
+        out = linear_cross_entropy(e, c, t, b, reduction=reduction, impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.autograd.grad((out * (up if reduction == "none" else 1.0)).sum(), (e, c, b))
+    want, wgrads = reference_grads(e, c, t, b, up if reduction == "none" else None,
+                                   reduction=reduction)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    assert_grads_close(got, wgrads, torch.float32)

@@ -300,3 +300,42 @@ def test_masked_columns(plan, monkeypatch):
             assert torch.all(a[untargeted] == 0) and torch.all(a[t[masked_t]] != 0), name
         torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("region", ["both", "backward"])
+@pytest.mark.parametrize("plan", ["saved", "recompute", "torch"])
+def test_autocast_keeps_the_inputs_precision(plan, region, monkeypatch):
+    # under torch.autocast to bf16, fp32 inputs give fp32-accurate log-probs, entropy and
+    # gradients on both backends (autocast would round the logits GEMM to bf16): forward and
+    # backward in the autocast region, or the backward alone (a custom Function's backward runs
+    # under the autocast of the region it is called in)
+    impl, budget = ("torch", None) if plan == "torch" else ("triton", None)
+    if impl == "triton":
+        K = _kernels_or_skip()
+        from vocab_parallel_loss.kernels.linear import config as KC
+
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+        budget = 0 if plan == "recompute" else None
+    g = torch.Generator().manual_seed(17)
+    n, h, v = 19, 16, 75
+    e = torch.randn(n, h, generator=g, requires_grad=True)
+    c = torch.randn(v, h, generator=g, requires_grad=True)
+    b = (torch.randn(v, generator=g) * 0.3).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region == "both"):
+        out = linear_token_logprobs(e, c, t, b, temperature=0.8, return_entropy=True,
+                                    memory_budget=budget, impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _grads((out.log_probs, out.entropy), (e, c, b), g_lp, g_ent)
+    ins64 = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    lp, ent, _ = oracle(ins64[0] @ ins64[1].t() + ins64[2], t, 0.8)
+    want = _grads((lp, ent), ins64, g_lp.double(), g_ent.double())
+    tol = TOL[torch.float32]
+    assert out.log_probs.dtype == torch.float32
+    torch.testing.assert_close(out.log_probs.double(), lp.detach(), atol=tol * 10, rtol=tol * 10)
+    torch.testing.assert_close(out.entropy.double(), ent.detach(), atol=tol * 10, rtol=tol * 10)
+    for name, a, w in zip(("hidden", "weight", "bias"), got, want):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), w, atol=tol * 10 * w.abs().max().item(), rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
