@@ -93,6 +93,13 @@ def token_loss(target, m, s, x_t, d, vocab_size: int, ignore_index: int, smoothi
     return loss, lse, ignored, bad
 
 
+#: A log-probability below which ``exp`` is 0 in fp32 (below -104) and fp64 (below -746). The
+#: log-prob backward clamps the entropy's ``x - lse`` there: no probability changes, and
+#: ``gx * (x - lse)`` stays finite at a -inf logit (a masked column), where times ``p = 0`` it
+#: would be ``0 * inf = NaN``.
+LOG_UNDERFLOW = -1000.0
+
+
 class LogprobArgs(NamedTuple):
     """The log-prob mode of the fused linear backends (``kernels.linear``,
     ``reference.linear.TorchBackend``): the logits are ``x = cap(scale * z) * inv_t`` with

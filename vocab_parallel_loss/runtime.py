@@ -1,4 +1,6 @@
-"""What the code is running under: torch.compile tracing, CUDA-graph capture."""
+"""What the code is running under: torch.compile tracing, CUDA-graph capture, autocast."""
+
+import contextlib
 
 import torch
 
@@ -20,3 +22,12 @@ def untraced(fn, *args):
     for the Triton paths whose host code (chunk loops, descriptors, saved tiles) Dynamo cannot
     trace."""
     return fn(*args)
+
+
+def no_autocast(device: torch.device):
+    """A context with autocast off on ``device``: the ops inside compute in their inputs' dtypes
+    whatever autocast region the caller is in (a custom Function's backward runs under the
+    autocast of the region that calls it, not that of its forward)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()

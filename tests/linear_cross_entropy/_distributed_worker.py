@@ -60,7 +60,7 @@ def close(name, got, want, rtol):
 
 def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_loss=0.0,
                softcap=None, bias=False, shift=0, sp=False, gif=False, budget=None, v_local=23,
-               h=24, s=8, b=4):
+               h=24, s=8, b=4, padded=False):
     rank, world = dist.get_rank(), dist.get_world_size()
     K.config.OVERRIDE_CONFIG = gif_config() if gif else None
     v_local = device_columns(K, v_local, DEVICE)
@@ -76,6 +76,9 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
     c_full = torch.randn(v, h, generator=gen).to(dtype)
     bias_full = torch.randn(v, generator=gen).to(dtype) if bias else None
     t = torch.randint(0, v, lead, generator=gen)
+    if padded:  # the last rank's shard is vocabulary padding: -inf logits, never a target
+        bias_full[v - v_local:] = float("-inf")
+        t = t % (v - v_local)
     t[torch.rand(lead, generator=gen) < 0.2] = -100
     up = torch.randn(lead, generator=gen)
     up = up[shift:] if sp else up[..., shift:]
@@ -133,6 +136,9 @@ CASES = [
     dict(reduction="none", sp=True, shift=2, bias=True, budget=0),
     dict(reduction="none", sp=True, bias=True, budget="one-tile", v_local=95, h=8),
     dict(reduction="mean", smoothing=0.1, budget="one-tile", v_local=95, h=8),
+    # a padded vocabulary: the last rank's logits all -inf, saved or recomputed
+    dict(reduction="none", bias=True, padded=True),
+    dict(reduction="mean", bias=True, padded=True, budget=0, sp=True),
     # gradients formed in forward: one stats all-gather per row chunk
     dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
     dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),

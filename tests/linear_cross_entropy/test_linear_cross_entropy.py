@@ -630,3 +630,119 @@ def test_torch_compile_matches_eager(budget):
         got.append((loss.detach(), *torch.autograd.grad(loss, (e, c, b), up)))
     for a, w in zip(*got):
         assert torch.equal(a, w)
+
+
+# ------------------------------------------- masked vocabulary columns (-inf logits), autocast
+
+
+def _masked_bias(v, g, dtype=torch.float32):
+    """A bias of ``v`` columns with ``-inf`` over whole vocabulary tiles of the interpreter's
+    config (the first tile of each forward split, and one after a finite tile) and over random
+    columns: the padded columns of a vocabulary. Returns the bias and the kept columns."""
+    tile = K.INTERPRET_CONFIG.fwd_block_v if K is not None else 32
+    b = torch.randn(v, generator=g)
+    keep = torch.rand(v, generator=g) > 0.15
+    for k in (0, 2, 3):  # split=2 over 6 tiles: tiles 0-2 and 3-5
+        keep[k * tile:(k + 1) * tile] = False
+    b[~keep] = float("-inf")
+    return b.to(dtype).requires_grad_(), keep
+
+
+def _masked_case(dtype, n=37, h=24, v=None, seed=21):
+    """Inputs whose targets avoid the masked columns (a masked target's loss is infinite)."""
+    tile = K.INTERPRET_CONFIG.fwd_block_v if K is not None else 32
+    v = 6 * tile - 3 if v is None else v  # six tiles, the last one partial
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, h, generator=g).to(dtype).requires_grad_()
+    c = torch.randn(v, h, generator=g).to(dtype).requires_grad_()
+    b, keep = _masked_bias(v, g, dtype)
+    kept = keep.nonzero()[:, 0]
+    t = kept[torch.randint(0, kept.numel(), (n,), generator=g)]
+    t[3] = -100
+    return e, c, b, t, keep
+
+
+MASKED_PLANS = ["saved", "split", "grad_in_forward", "recompute", "desc", "torch"]
+
+
+@pytest.mark.parametrize("plan", MASKED_PLANS)
+def test_masked_columns_match_oracle(plan, monkeypatch):
+    """-inf logits over whole vocabulary tiles (a tile whose fold starts from a running max of
+    -inf, and one saved as u = exp(x - max) with max = -inf) and over random columns: finite
+    loss and lse, the oracle's gradients and exactly zero gradients at the masked columns, for
+    every strategy a memory budget can pick and on both backends."""
+    if plan != "torch" and (K is None or not interpreting()):
+        pytest.skip("needs TRITON_INTERPRET=1")
+    dtype = torch.bfloat16 if plan == "desc" else torch.float32
+    reduction, budget = "none", None
+    if plan != "torch":
+        cfg = K.INTERPRET_CONFIG
+        if plan == "grad_in_forward":
+            cfg, reduction = cfg.replace(strategy="grad_in_forward"), "mean"
+        if plan == "desc":  # TMA descriptors: the flat loop, the tiles saved through one
+            cfg = cfg.replace(fwd_desc=True, fwd_flat=True, bwd_desc=True)
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", cfg)
+    e, c, b, t, keep = _masked_case(dtype)
+    n, h = e.shape
+    v = c.shape[0]
+    if plan == "split":
+        budget = _one_saved_tile_budget(n, h, v, e.element_size())
+    elif plan == "recompute":
+        budget = 0
+    impl = "torch" if plan == "torch" else "triton"
+    if impl == "triton":
+        want_plan = {"saved": "saved", "split": "saved", "desc": "saved",
+                     "grad_in_forward": "grad_in_forward", "recompute": "recompute"}[plan]
+        picked = strategy_mod.choose_strategy(K, e, c, b, reduction, False, None, None, 0.0,
+                                              budget)
+        assert picked.name == want_plan
+        assert (picked.size is not None) == (plan == "split")
+    up = None if reduction != "none" else torch.randn(n, generator=torch.Generator().manual_seed(5))
+    out, lse = linear_cross_entropy(e, c, t, b, reduction=reduction, return_lse=True,
+                                    memory_budget=budget, impl=impl)
+    w = torch.randn(n, generator=torch.Generator().manual_seed(6))
+    total = (out * (1.0 if up is None else up)).sum() + (w * lse).sum()
+    got = torch.autograd.grad(total, (e, c, b))
+    leaves = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    want, wlse = lce_reference(*leaves[:2], t, leaves[2], reduction=reduction)
+    wtotal = (want * (1.0 if up is None else up.double())).sum() + (w.double() * wlse).sum()
+    wanted = torch.autograd.grad(wtotal, leaves)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    tol = TOL[dtype][0] * 10
+    torch.testing.assert_close(out.double(), want.detach(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), wlse.detach(), atol=tol, rtol=tol)
+    assert_grads_close(got, wanted, dtype)
+    assert torch.all(got[1][~keep] == 0) and torch.all(got[2][~keep] == 0)
+
+
+def test_masked_shard_statistics_on_both_backends():
+    """A shard whose every column is masked (the padding rank of a TP vocabulary): max -inf and
+    a sum of 0, which the merge over the ranks leaves out, on both backends."""
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    e, c, _, t, _ = _masked_case(torch.float32)
+    b = torch.full((c.shape[0],), float("-inf"))
+    for backend in (K, TorchBackend):
+        stats = backend.forward_stats(e.detach(), c.detach(), b, t, 0, None, False)
+        assert torch.all(stats[0] == float("-inf")), backend.NAME
+        assert torch.all(stats[1] == 0), backend.NAME
+
+
+@pytest.mark.parametrize("reduction,region", [("mean", "both"), ("none", "both"),
+                                              ("none", "backward")])
+def test_autocast_keeps_the_inputs_precision(impl, reduction, region):
+    """Under torch.autocast to bf16, fp32 inputs still give fp32-accurate losses and gradients on
+    both backends (autocast would round the logits GEMM to bf16: ~1e-3 relative), the forward
+    and backward in the autocast region, or the backward alone (a custom Function's backward
+    runs under the autocast of the region it is called in)."""
+    e, c, b, t = make(bias=True)
+    up = torch.randn(t.shape, generator=torch.Generator().manual_seed(9))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region == "both"):
+        out = linear_cross_entropy(e, c, t, b, reduction=reduction, impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = torch.autograd.grad((out * (up if reduction == "none" else 1.0)).sum(), (e, c, b))
+    want, wgrads = reference_grads(e, c, t, b, up if reduction == "none" else None,
+                                   reduction=reduction)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=2e-5)
+    assert_grads_close(got, wgrads, torch.float32)

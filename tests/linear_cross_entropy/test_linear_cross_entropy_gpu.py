@@ -504,3 +504,70 @@ def test_tp_ranks_sharing_the_gpu(nproc, tmp_path):
     got = torchrun_results(WORKER, nproc, *impls, results=tmp_path / "results.json",
                            timeout=900, device=SHARED_DEVICE)
     check_every_case(got, impls)
+
+
+def _masked_bias(b, n, v, seed=5):
+    """``b`` with -inf over whole tiles of the shipped config (the first of the first two forward
+    splits, one after a finite tile, the last whole one) and over random columns (a padded
+    vocabulary); returns it and the kept columns."""
+    cfg = K.default_config(b.device)
+    tile = cfg.fwd_block_v
+    _, per_split = KF.forward_split(n, v, cfg, b.device)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    keep = torch.rand(v, device="cuda", generator=g) > 0.1
+    for k in {0, 2, per_split, v // tile - 1}:
+        keep[k * tile:(k + 1) * tile] = False
+    return b.masked_fill(~keep, float("-inf")), keep
+
+
+@pytest.mark.parametrize("plan", ["saved", "split", "gif", "recompute", "torch"])
+def test_masked_columns(plan, monkeypatch):
+    """-inf logits over whole vocabulary tiles and random columns: finite losses, the fp32
+    reference's gradients and exactly zero gradients at the masked columns, for every strategy
+    and both backends."""
+    n, h, v = 4096, 1024, 32003
+    e, c, b, t, up = _case(n, h, v, bias=True)
+    b, keep = _masked_bias(b, n, v)
+    kept = keep.nonzero()[:, 0]
+    g = torch.Generator(device="cuda").manual_seed(6)
+    t = torch.where(t == -100, t, kept[torch.randint(0, kept.numel(), (n,), device="cuda",
+                                                     generator=g)])
+    cfg = K.default_config(e.device)
+    reduction, budget = "none", None
+    if plan == "gif":
+        reduction = "mean"
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG",
+                            cfg.replace(strategy="grad_in_forward", gif_rows=1536))
+    elif plan == "split":  # four tiles saved beside a whole recompute chunk
+        from tests._budgets import one_saved_tile_budget
+
+        budget = one_saved_tile_budget(K, n, h, v, 2, cfg, tiles=4)
+    elif plan == "recompute":
+        budget = 0
+    impl = "torch" if plan == "torch" else "triton"
+    if impl == "triton":
+        picked = STRATEGY.choose_strategy(K, e.requires_grad_(), c.requires_grad_(),
+                                          b.requires_grad_(), reduction, False, None, None, 0.0,
+                                          budget)
+        assert picked.name == {"gif": "grad_in_forward", "recompute": "recompute"}.get(
+            plan, "saved"), picked
+        assert (picked.size == 4 * cfg.fwd_block_v) if plan == "split" else True, picked
+    loss, grads = _run(e, c, b, t, up, reduction=reduction, impl=impl, memory_budget=budget)
+    want, wgrads = _reference(e, c, b, t, up, reduction=reduction)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-2)
+    assert torch.all(grads[1][~keep] == 0) and torch.all(grads[2][~keep] == 0)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_autocast_keeps_fp32(impl, reduction):
+    """fp32 inputs under torch.autocast to bf16, forward and backward inside the region: fp32
+    accuracy on both backends (a bf16 logits GEMM would be ~1e-3 off)."""
+    e, c, b, t, up = _case(1024, 1024, 8191, dtype=torch.float32, bias=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, grads = _run(e, c, b, t, up, reduction=reduction, impl=impl)
+    want, wgrads = _reference(e, c, b, t, up, reduction=reduction)
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    _close_grads(grads, wgrads, 1e-4)

@@ -215,3 +215,127 @@ def test_linear_backends_share_the_logprob_contract(softcap, per_row_t, monkeypa
                 assert dc is not None and dc.data_ptr() == kw_b["dc_out"].data_ptr()
         for w, a in zip(*outs):
             torch.testing.assert_close(a, w, atol=1e-4, rtol=1e-4)
+
+
+def _masked_reference(e, c, b, keep, t, inv_t, scale):
+    """fp64 log-probs, entropy and argmax over the columns ``keep``, differentiable in ``e``,
+    ``c`` and ``b``, a finite bias: the softmax leaves the other columns out. Their logits stay
+    finite, so that a target there gets the gradient of its logit (``log p_t = x_t - lse`` is
+    -inf, its gradient that of ``x_t`` less the kept columns' softmax, whatever the bias)."""
+    z = e @ c.t() + b
+    x = z * scale * inv_t[:, None]
+    xk = x.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(xk, dim=1)
+    p = torch.exp(xk - lse[:, None])
+    ignored = t == -100
+    idx = torch.where(ignored, torch.zeros_like(t), t)
+    lp = x.gather(1, idx[:, None])[:, 0] - lse
+    ent = lse - torch.where(keep, p * x, torch.zeros_like(x)).sum(dim=1)
+    zero = torch.zeros((), dtype=x.dtype)
+    return torch.where(ignored, zero, lp), torch.where(ignored, zero, ent), xk.argmax(dim=1)
+
+
+@pytest.mark.parametrize("plan", ["saved", "split", "recompute", "torch"])
+def test_masked_columns(plan, monkeypatch):
+    # a bias of -inf over whole vocabulary tiles (the first of each forward split, and one after
+    # a finite tile) and over random columns: finite log-probs and entropy, zero gradients at
+    # the masked columns, and the fp64 reference's gradients; two targets on masked columns
+    # (log-prob -inf, the gradient of their logit); every strategy, both backends
+    impl, budget = ("torch", None) if plan == "torch" else ("triton", None)
+    tile = 32
+    if impl == "triton":
+        K = _kernels_or_skip()
+        from vocab_parallel_loss.kernels.linear import config as KC
+
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+        tile = K.INTERPRET_CONFIG.fwd_block_v
+    g = torch.Generator().manual_seed(13)
+    n, h, v = 23, 8, 6 * tile - 3  # six tiles (split=2: tiles 0-2 and 3-5), the last partial
+    e = torch.randn(n, h, generator=g, requires_grad=True)
+    c = torch.randn(v, h, generator=g, requires_grad=True)
+    keep = torch.rand(v, generator=g) > 0.15
+    for k in (0, 2, 3):
+        keep[k * tile:(k + 1) * tile] = False
+    b = torch.randn(v, generator=g) * 0.3
+    b[~keep] = float("-inf")
+    b.requires_grad_()
+    kept = keep.nonzero()[:, 0]
+    t = kept[torch.randint(0, kept.numel(), (n,), generator=g)]
+    t[4] = -100
+    masked_t = torch.tensor([1, 7])
+    t[masked_t] = torch.tensor([5, 3 * tile + 9])  # in the masked tiles 0 and 3
+    temp = torch.rand(n, generator=g) + 0.5
+    if impl == "triton":
+        from vocab_parallel_loss.ops.fused_linear.strategy import choose_strategy
+
+        if plan == "split":
+            budget = _one_saved_tile_budget(K, n, h, v, e.element_size())
+        elif plan == "recompute":
+            budget = 0
+        st = choose_strategy(K, e, c, b, "none", False, None, None, 0.0, budget)
+        assert st.name == ("recompute" if plan == "recompute" else "saved")
+        assert (st.size is not None) == (plan == "split")
+    out = linear_token_logprobs(e, c, t, b, temperature=temp, logit_scale=0.75,
+                                return_entropy=True, return_argmax=True, memory_budget=budget,
+                                impl=impl)
+    finite_b = torch.where(keep, b.detach(), torch.zeros_like(b))  # -inf only in the softmax
+    ins64 = [x.detach().double().requires_grad_() for x in (e, c, finite_b)]
+    lp, ent, am = _masked_reference(*ins64, keep, t, 1.0 / temp.double(), 0.75)
+    tol = TOL[torch.float32]
+    rows = torch.ones(n, dtype=torch.bool)
+    rows[masked_t] = False
+    assert torch.all(out.log_probs[masked_t] == float("-inf"))
+    assert torch.isfinite(out.log_probs[rows]).all() and torch.isfinite(out.entropy).all()
+    torch.testing.assert_close(out.log_probs[rows].double(), lp[rows].detach(), atol=tol * 10,
+                               rtol=tol * 10)
+    torch.testing.assert_close(out.entropy.double(), ent.detach(), atol=tol * 10, rtol=tol * 10)
+    assert torch.equal(out.argmax, am)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    got = _grads((out.log_probs, out.entropy), (e, c, b), g_lp, g_ent)
+    want = _grads((lp, ent), ins64, g_lp.double(), g_ent.double())
+    untargeted = ~keep
+    untargeted[t[masked_t]] = False
+    for name, a, w in zip(("hidden", "weight", "bias"), got, want):
+        if name != "hidden":
+            assert torch.all(a[untargeted] == 0) and torch.all(a[t[masked_t]] != 0), name
+        torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("region", ["both", "backward"])
+@pytest.mark.parametrize("plan", ["saved", "recompute", "torch"])
+def test_autocast_keeps_the_inputs_precision(plan, region, monkeypatch):
+    # under torch.autocast to bf16, fp32 inputs give fp32-accurate log-probs, entropy and
+    # gradients on both backends (autocast would round the logits GEMM to bf16): forward and
+    # backward in the autocast region, or the backward alone (a custom Function's backward runs
+    # under the autocast of the region it is called in)
+    impl, budget = ("torch", None) if plan == "torch" else ("triton", None)
+    if impl == "triton":
+        K = _kernels_or_skip()
+        from vocab_parallel_loss.kernels.linear import config as KC
+
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+        budget = 0 if plan == "recompute" else None
+    g = torch.Generator().manual_seed(17)
+    n, h, v = 19, 16, 75
+    e = torch.randn(n, h, generator=g, requires_grad=True)
+    c = torch.randn(v, h, generator=g, requires_grad=True)
+    b = (torch.randn(v, generator=g) * 0.3).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g)
+    g_lp, g_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region == "both"):
+        out = linear_token_logprobs(e, c, t, b, temperature=0.8, return_entropy=True,
+                                    memory_budget=budget, impl=impl)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _grads((out.log_probs, out.entropy), (e, c, b), g_lp, g_ent)
+    ins64 = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    lp, ent, _ = oracle(ins64[0] @ ins64[1].t() + ins64[2], t, 0.8)
+    want = _grads((lp, ent), ins64, g_lp.double(), g_ent.double())
+    tol = TOL[torch.float32]
+    assert out.log_probs.dtype == torch.float32
+    torch.testing.assert_close(out.log_probs.double(), lp.detach(), atol=tol * 10, rtol=tol * 10)
+    torch.testing.assert_close(out.entropy.double(), ent.detach(), atol=tol * 10, rtol=tol * 10)
+    for name, a, w in zip(("hidden", "weight", "bias"), got, want):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), w, atol=tol * 10 * w.abs().max().item(), rtol=0,
+                                   msg=lambda m: f"{name}: {m}")

@@ -141,3 +141,74 @@ def test_gradient_accumulation_fusion(budget):
     scale = grads[1].float().abs().max()
     assert (added - grads[1].float()).abs().max() <= 1e-2 * scale
     assert torch.equal(c.main_grad[valid:], before[valid:])
+
+
+@pytest.mark.parametrize("plan", ["saved", "split", "recompute", "torch"])
+def test_masked_columns(plan):
+    # a bias of -inf over whole tiles of the shipped config and random columns: finite outputs,
+    # the fp32 reference over the kept columns (the masked ones' logits finite stand-ins outside
+    # the softmax), zero gradients at the masked columns; every strategy, both backends
+    n, h, v = 4096, 1024, 32003
+    e, c, b, t, temp, g_lp, g_ent = _case(n, h, v)
+    cfg = K.default_config(e.device)
+    tile = cfg.fwd_block_v
+    g = torch.Generator(device="cuda").manual_seed(5)
+    keep = torch.rand(v, device="cuda", generator=g) > 0.1
+    for k in (0, 2, 3, v // tile - 1):
+        keep[k * tile:(k + 1) * tile] = False
+    kept = keep.nonzero()[:, 0]
+    t = torch.where(t == -100, t, kept[torch.randint(0, kept.numel(), (n,), device="cuda",
+                                                     generator=g)])
+    masked_b = b.detach().masked_fill(~keep, float("-inf")).requires_grad_()
+    budget = {"saved": None, "torch": None, "recompute": 0,
+              "split": one_saved_tile_budget(K, n, h, v, 2, cfg, tiles=4)}[plan]
+    if plan != "torch":
+        picked = choose_strategy(K, e, c, masked_b, "none", False, None, None, 0.0, budget)
+        assert picked.name == ("recompute" if plan == "recompute" else "saved"), picked
+    out = linear_token_logprobs(e, c, t, masked_b, temperature=temp, return_entropy=True,
+                                memory_budget=budget,
+                                impl="torch" if plan == "torch" else "triton")
+    grads = torch.autograd.grad((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum(),
+                                (e, c, masked_b))
+    leaves = [x.detach().float().requires_grad_() for x in (e, c, b)]
+    x = (leaves[0] @ leaves[1].t() + leaves[2]) / temp[:, None]
+    xk = x.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(xk, dim=-1)
+    p = torch.exp(xk - lse[:, None])
+    keep_t = t != -100
+    lp = torch.where(keep_t, x.gather(1, t.clamp(min=0)[:, None])[:, 0] - lse, 0.0)
+    ent = torch.where(keep_t, lse - torch.where(keep, p * x, 0.0).sum(-1), 0.0)
+    want = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), leaves)
+    assert torch.isfinite(out.log_probs).all() and torch.isfinite(out.entropy).all()
+    torch.testing.assert_close(out.log_probs, lp.detach(), atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(out.entropy, ent.detach(), atol=2e-4, rtol=1e-5)
+    for name, a, w in zip(("hidden", "weight", "bias"), grads, want):
+        err = (a.float() - w).abs().max() / w.abs().max()
+        assert err < 1e-2, (name, err.item())
+    assert torch.all(grads[1][~keep] == 0) and torch.all(grads[2][~keep] == 0)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_autocast_keeps_fp32(impl):
+    # fp32 inputs under torch.autocast to bf16, forward and backward inside the region: fp32
+    # accuracy on both backends (a bf16 logits GEMM would be ~1e-3 off)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, h, v = 1024, 1024, 8191
+    e = (torch.randn(n, h, device="cuda", generator=g) * 0.5).requires_grad_()
+    c = (torch.randn(v, h, device="cuda", generator=g) * h ** -0.5).requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    g_lp, g_ent = (torch.randn(n, device="cuda", generator=g) for _ in range(2))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = linear_token_logprobs(e, c, t, temperature=0.8, return_entropy=True, impl=impl)
+        grads = torch.autograd.grad((out.log_probs * g_lp).sum() + (out.entropy * g_ent).sum(),
+                                    (e, c))
+    leaves = [x.detach().requires_grad_() for x in (e, c)]
+    ls = torch.log_softmax((leaves[0] @ leaves[1].t()) / 0.8, dim=-1)
+    lp = ls.gather(1, t[:, None])[:, 0]
+    ent = -(ls.exp() * ls).sum(-1)
+    want = torch.autograd.grad((lp * g_lp).sum() + (ent * g_ent).sum(), leaves)
+    torch.testing.assert_close(out.log_probs, lp.detach(), atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(out.entropy, ent.detach(), atol=2e-4, rtol=1e-5)
+    for name, a, w in zip(("hidden", "weight"), grads, want):
+        err = (a - w).abs().max() / w.abs().max()
+        assert err < 1e-4, (name, err.item())

@@ -8,10 +8,13 @@ backend for float64 inputs.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..formulas import LogprobArgs, compute_dtype, merge_logprob_stats
+from ..formulas import LOG_UNDERFLOW, LogprobArgs, compute_dtype, merge_logprob_stats
 from ..layout import RowView
+from ..runtime import no_autocast
 from . import logprobs as rows
 
 #: Bytes of fp32 logits the ``"torch"`` implementation keeps alive at once (one row chunk).
@@ -20,6 +23,16 @@ TORCH_CHUNK_BYTES = 64 * 1024 * 1024
 #: Bytes of one fp32 column chunk of logits in the log-prob mode (fp64 for float64 inputs):
 #: 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
 LOGPROB_CHUNK_BYTES = 128 * 1024 * 1024
+
+
+def _own_precision(fn):
+    """``fn(cls, e, ...)`` with autocast off on ``e``'s device: the GEMMs run in the backend's
+    fp32 (fp64), as the Triton kernels do, not in autocast's bf16 or fp16."""
+    @functools.wraps(fn)
+    def run(cls, e, *args, **kw):
+        with no_autocast(e.device):
+            return fn(cls, e, *args, **kw)
+    return run
 
 
 class TorchBackend:
@@ -64,6 +77,7 @@ class TorchBackend:
         return min(v, max(256, (LOGPROB_CHUNK_BYTES // max(1, n * size)) // 256 * 256))
 
     @classmethod
+    @_own_precision
     def forward_stats(cls, e, c, bias, targets, v_offset, softcap, need_sumx,
                       logprob: LogprobArgs = None):
         """``(4, N)`` statistics of the loss; with ``logprob`` the ``(5, N)`` log-prob
@@ -81,7 +95,9 @@ class TorchBackend:
             x, _ = cls._logits(e[r0:r1], c32, b32, softcap)
             m = x.amax(dim=1)
             stats[0, r0:r1] = m
-            stats[1, r0:r1] = torch.exp(x - m[:, None]).sum(dim=1)
+            # a row of masked (-inf) columns sums exp(-inf) = 0, not exp(-inf - -inf) = NaN
+            m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+            stats[1, r0:r1] = torch.exp(x - m_safe[:, None]).sum(dim=1)
             idx, inr = cls._local_targets(targets[r0:r1], v_offset, v)
             tg = x.gather(1, idx[:, None])[:, 0]
             stats[2, r0:r1] = torch.where(inr, tg, torch.zeros_like(tg))
@@ -90,6 +106,7 @@ class TorchBackend:
         return stats
 
     @classmethod
+    @_own_precision
     def backward(cls, e, c, bias, targets, v_offset, coef, softcap, need_de, need_dc,
                  need_dbias, de_acc=None, dc_out=None, dc_acc=None,
                  logprob: LogprobArgs = None):
@@ -200,7 +217,8 @@ class TorchBackend:
             z = cls._chunk_logits(ea, ck, None if bias is None else bias[c0:c1])
             x, slope = rows.transform(z, inv_t, lp.scale, softcap)
             del z
-            d = x.sub_(lse)
+            # clamped where p underflows anyway: gx * d * p is 0, not NaN, at a -inf logit
+            d = x.sub_(lse).clamp_(min=LOG_UNDERFLOW)
             dz = (gp + gx * d).mul_(torch.exp(d)).sub_(gc)
             del x, d
             idx, inr = cls._local_targets(targets, v_offset + c0, c1 - c0)

@@ -8,8 +8,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import settings
+from ... import formulas, settings
 from ...formulas import LogprobArgs  # noqa: F401  (the kernels' log-prob mode)
+
+
+#: ``formulas.LOG_UNDERFLOW`` for the kernels
+LOG_UNDERFLOW = tl.constexpr(formulas.LOG_UNDERFLOW)
+#: The lowest finite fp32: a -inf logit's stand-in where it meets a probability of 0 (``0 *
+#: -inf`` is NaN, ``0 * LOWEST`` is 0) or is subtracted from one (a tile max of -inf)
+LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 def upcast(dtype: torch.dtype) -> bool:

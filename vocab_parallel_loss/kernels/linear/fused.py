@@ -51,7 +51,8 @@ import triton.language as tl
 from ... import settings
 from ...formulas import merge_logprob_stats, merge_partial_stats
 from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
-from .common import LogprobArgs, check_tiles, dot_precision, tanh, upcast
+from .common import (LOG_UNDERFLOW, LOWEST, LogprobArgs, check_tiles, dot_precision, tanh,
+                     upcast)
 from .config import LCEConfig, default_config
 from .gemm import gemm_acc, gemm_store
 
@@ -147,7 +148,7 @@ def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.cons
     """Fold the fp32 logits tile ``x`` of vocabulary tile ``vt`` into the online statistics."""
     x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
                              NEED_SUMX, BLOCK_V)
-    m_new = tl.maximum(m, tl.max(x, axis=1))
+    m_new = tl.maximum(m, tl.max(x, axis=1))  # finite: m starts at LOWEST (_lce_fwd_kernel)
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
     return m_new, s, tg, sx
 
@@ -164,16 +165,19 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     mt = tl.max(x, axis=1)
-    u = tl.exp(x - mt[:, None])
+    # a tile row of -inf logits (masked columns): u = 0 and a finite max, so that backward's
+    # u * exp(mt - lse) is 0 and mt + log u finite
+    mts = tl.where(mt == float("-inf"), LOWEST, mt)
+    u = tl.exp(x - mts[:, None])
     if DESC_U:  # the copy engine stores the tile asynchronously and clips it at (N, V)
         U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
     else:
         cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
         u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
         tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & (cols < V)[None, :])
-    tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=row_mask)
-    m_new = tl.maximum(m, mt)
-    s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mt - m_new)
+    tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mts, mask=row_mask)
+    m_new = tl.maximum(m, mts)
+    s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mts - m_new)
     return m_new, s, tg, sx
 
 
@@ -199,10 +203,12 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
     tg += tl.sum(tl.where(cols[None, :] == t_local[:, None], x, 0.0), axis=1)
     x = tl.where(col_mask[None, :], x, float("-inf"))
     mt = tl.max(x, axis=1)
-    d = x - mt[:, None]
+    mts = tl.where(mt == float("-inf"), LOWEST, mt)  # as in _fold_store_tile
+    d = x - mts[:, None]
     u = tl.exp(d)
     st = tl.sum(u, axis=1)
-    wt = tl.sum(u * tl.where(col_mask[None, :], d, 0.0), axis=1)  # 0, not 0 * -inf, past V
+    # u * d is 0 * -inf at a -inf logit (past V, or a masked column): clamped to 0 * finite
+    wt = tl.sum(u * tl.maximum(d, LOWEST), axis=1)
     if NEED_ARGMAX:  # a later tile takes over only with a strictly larger max: first on ties
         first = tl.min(tl.where(x == mt[:, None], cols[None, :], V), axis=1)
         best_col = tl.where(mt > m, first, best_col)
@@ -214,12 +220,14 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
             u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
             tl.store(u_ptrs, u.to(U.dtype.element_ty),
                      mask=(rows < N)[:, None] & col_mask[None, :])
-        tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mt, mask=rows < N)
-    m_new = tl.maximum(m, mt)
+        tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mts, mask=rows < N)
+    m_new = tl.maximum(m, mts)
     a = tl.exp(m - m_new)
-    b = tl.exp(mt - m_new)
-    # both terms moved to the new max (the running one only once it holds a column)
-    w = a * (w + tl.where(s > 0.0, m - m_new, 0.0) * s) + b * (wt + (mt - m_new) * st)
+    b = tl.exp(mts - m_new)
+    # both terms moved to the new max, each only once it holds a column (else its max may be
+    # LOWEST, whose distance to the new one rounds to -inf past 1e31: times 0, NaN)
+    w = (a * (w + tl.where(s > 0.0, m - m_new, 0.0) * s)
+         + b * (wt + tl.where(st > 0.0, mts - m_new, 0.0) * st))
     s = a * s + b * st
     return m_new, s, w, tg, best_col
 
@@ -271,7 +279,9 @@ def _lce_fwd_kernel(
     t = tl.load(TGT + rows_ld.to(tl.int64) * stride_t).to(tl.int64) - v_offset
     t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
 
-    m = tl.full((BLOCK_N,), float("-inf"), dtype=tl.float32)
+    # the running max starts finite, so that no fold subtracts -inf from -inf (a tile of
+    # masked columns, logits of -inf, first in its split): it stays finite, their exp is 0
+    m = tl.full((BLOCK_N,), LOWEST, dtype=tl.float32)
     s = tl.zeros((BLOCK_N,), dtype=tl.float32)
     tg = tl.zeros((BLOCK_N,), dtype=tl.float32)
     sx = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -308,6 +318,7 @@ def _lce_fwd_kernel(
                 U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB, NEED_ARGMAX, STORE,
                 BLOCK_N, BLOCK_V, DESC_U)
 
+    m = tl.where(s == 0.0, float("-inf"), m)  # no finite logit: the merges' max of -inf
     if LOGPROB:  # kernels/logprobs.py's five rows: m, s, w, target x, global column of the max
         base = STATS + split.to(tl.int64) * 5 * N + rows.to(tl.int64)
         tl.store(base, m, mask=row_mask)
@@ -363,7 +374,8 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n
     onehot = cols[None, :] == t_local[:, None]
     if LOGPROB:
         gx = tl.load(COEF + 5 * N + r64)
-        d = x - lse[:, None]
+        # clamped where p underflows anyway: gx * d * p is 0, not NaN, at a -inf logit
+        d = tl.maximum(x - lse[:, None], LOG_UNDERFLOW, propagate_nan=tl.PropagateNan.ALL)
         p = tl.exp(d)
         dx = ((gp[:, None] + gx[:, None] * d) * p - gc[:, None]
               - tl.where(onehot, gt[:, None], 0.0))

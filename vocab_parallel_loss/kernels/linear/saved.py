@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..launch import PINNED  # compile options every launch pins (FMA contraction)
-from .common import LogprobArgs
+from .common import LOWEST, LogprobArgs
 from .config import LCEConfig
 from .gemm import gemm_acc, gemm_store
 
@@ -92,6 +92,7 @@ def _saved_dz_kernel(
     if LOGPROB:
         inv_t = tl.load(INV_T + row * stride_it).to(tl.float32)
         gx = tl.load(COEF + 5 * N + row)
+        xt = tl.maximum(xt, LOWEST)  # a masked target: gx * pt * (xt - lse) is 0, not NaN
     t = tl.load(TGT + row * stride_t).to(tl.int64) - v_offset
     t_local = tl.where((t >= 0) & (t < V), t, -1).to(tl.int32)
     pt = tl.exp(xt - lse)
