@@ -110,3 +110,100 @@ def test_second_derivative_is_refused(impl):
             torch.autograd.grad(out.log_probs.sum(), leaf, create_graph=True)
 
 
+
+
+# ------------------------------------------------------------------ masked vocabulary (-inf)
+def _masked(rows, vocab, dtype, seed):
+    """Logits with random -inf columns (a masked vocabulary, as RL and constrained decoding
+    mask tokens), row 1 -inf everywhere but its target, row 2 ignored and all -inf, and
+    targets on unmasked columns."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, vocab, generator=g, dtype=torch.float64) * 2
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    masked = torch.rand(rows, vocab, generator=g) < 0.4
+    masked[torch.arange(rows), t] = False
+    masked[1] = True
+    masked[1, t[1]] = False
+    masked[2] = True
+    t[2] = -100
+    return z.masked_fill(masked, float("-inf")).to(dtype), t, masked
+
+
+def test_oracle_gives_masked_columns_a_zero_gradient():
+    # the oracle itself, against the same oracle over the unmasked columns only
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, 13, generator=g, dtype=torch.float64)
+    keep = torch.arange(13) % 3 != 1
+    t = torch.tensor([0, 3, 5, 12])
+    g_lp, g_ent = torch.randn(4, generator=g, dtype=torch.float64), torch.randn(
+        4, generator=g, dtype=torch.float64)
+    full = z.masked_fill(~keep, float("-inf")).requires_grad_()
+    part = z[:, keep].clone().requires_grad_()
+    lp, ent, _ = oracle(full, t, 0.8)
+    lp_k, ent_k, _ = oracle(part, torch.searchsorted(keep.nonzero()[:, 0], t), 0.8)
+    torch.testing.assert_close(lp, lp_k)
+    torch.testing.assert_close(ent, ent_k)
+    (got,) = _grads((lp, ent), full, g_lp, g_ent)
+    (want,) = _grads((lp_k, ent_k), part, g_lp, g_ent)
+    assert torch.all(got[:, ~keep] == 0)
+    torch.testing.assert_close(got[:, keep], want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("per_token_t", [False, True])
+@pytest.mark.parametrize("upstream", ["log_prob", "entropy", "both"])
+def test_masked_vocabulary_gets_zero_gradient(impl, dtype, per_token_t, upstream):
+    z, t, masked = _masked(5, 29, dtype, seed=4)
+    g = torch.Generator().manual_seed(6)
+    temp = torch.rand(5, generator=g) + 0.5 if per_token_t else 0.7
+    x = z.clone().requires_grad_()
+    out = token_logprobs(x, t, temperature=temp, return_entropy=True)
+    lp, ent, _ = oracle(z, t, temp)
+    tol = TOL[dtype]
+    assert torch.isfinite(out.log_probs).all() and torch.isfinite(out.entropy).all()
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=tol * 10, rtol=tol)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=tol * 10, rtol=tol)
+    g_lp = torch.randn(5, generator=g) * (upstream != "entropy")
+    g_ent = torch.randn(5, generator=g) * (upstream != "log_prob")
+    (got,) = _grads((out.log_probs, out.entropy), x, g_lp.to(out.log_probs.dtype),
+                    g_ent.to(out.log_probs.dtype))
+    z64 = z.double().requires_grad_()
+    (want,) = _grads(oracle(z64, t, temp)[:2], z64, g_lp.double(), g_ent.double())
+    # the ignored row of -inf only: the oracle's log_softmax of it is NaN, the package's 0
+    assert torch.all(got[2] == 0) and torch.all(out.log_probs[2] == 0)
+    rows = torch.arange(5) != 2
+    got, want = got[rows], want[rows]
+    assert torch.isfinite(want).all()  # the oracle: 0 at masked columns (its own test above)
+    assert torch.isfinite(got).all()
+    assert torch.all(got[masked[rows]] == 0)
+    torch.testing.assert_close(got.double(), want, atol=tol * 10 * want.abs().max().item(),
+                               rtol=0)
+
+
+@pytest.mark.parametrize("scale,softcap", [(0.5, None), (1.5, 3.0)])
+def test_masked_vocabulary_under_scale_and_softcap(impl, scale, softcap):
+    # the row backends' logit scale and softcap (reached from hidden states; here through the
+    # Function over logits): a softcapped -inf is a finite logit of slope 0
+    from vocab_parallel_loss import backends
+    from vocab_parallel_loss.ops.token_logprobs import contract, function
+
+    z, t, masked = _masked(5, 23, torch.float32, seed=8)
+    g = torch.Generator().manual_seed(9)
+    temp = torch.rand(5, generator=g) + 0.5
+    x = z.clone().requires_grad_()
+    o = contract.options(None, 23, None, -100, scale, softcap,
+                         function.rows_backend(backends.triton_runs(x), x.dtype), x.device)
+    lp, ent, _ = function.from_logits(x, t, contract.inverse_temperature(temp, t, x), o)
+    z64 = z.double().requires_grad_()
+    want_lp, want_ent, _ = oracle(z64, t, temp, softcap=softcap, scale=scale)
+    torch.testing.assert_close(lp.double(), want_lp.detach(), atol=2e-4, rtol=2e-5)
+    torch.testing.assert_close(ent.double(), want_ent.detach(), atol=2e-4, rtol=2e-5)
+    g_lp, g_ent = torch.randn(5, generator=g), torch.randn(5, generator=g)
+    (got,) = _grads((lp, ent), x, g_lp, g_ent)
+    (want,) = _grads((want_lp, want_ent), z64, g_lp.double(), g_ent.double())
+    assert torch.all(got[2] == 0)  # ignored, all -inf: the oracle's row is NaN
+    rows = torch.arange(5) != 2
+    got, want, masked = got[rows], want[rows], masked[rows]
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    assert torch.all(got[masked] == 0)
+    torch.testing.assert_close(got.double(), want, atol=2e-5 * want.abs().max().item(), rtol=0)

@@ -116,7 +116,9 @@ def _logprob_backward_kernel(z_ptr, dz_ptr, tgt_ptr, inv_t_ptr, lse_ptr, ent_ptr
         mask = cols < valid
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         x, chain = _transform(z, inv_t, scale, softcap, HAS_CAP)
-        d = x - lse
+        # a masked (-inf) logit has p = 0 and must add 0, not 0 * -inf: below -1e4 exp is 0
+        # in fp32, so the clamp changes no p; NaN still propagates
+        d = tl.maximum(x - lse, -1.0e4, propagate_nan=tl.PropagateNan.ALL)
         p = tl.exp(d)
         dx = tl.where(cols == t_local, g_lp, 0.0) - p * (g_lp + g_ent * (d + ent))
         # g_lp = g_ent = 0 (an ignored token) gives exact zeros, whatever p is

@@ -58,7 +58,9 @@ def backward(view, dview, target, inv_t, lse, ent, g_lp, g_ent, col_start: int, 
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         z = block.reshape(-1, block.shape[-1]).to(dtype)
         x, chain = transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
-        d = x - lse[lo:hi, None].to(dtype)
+        # as the kernel: a masked (-inf) logit adds p * (d + H) = 0, not 0 * -inf (exp is 0
+        # below -1e4 in fp32 and fp64, so the clamp changes no p; clamp keeps NaN)
+        d = torch.clamp(x - lse[lo:hi, None].to(dtype), min=-1.0e4)
         p = torch.exp(d)
         glp, gent = g_lp[lo:hi, None].to(dtype), g_ent[lo:hi, None].to(dtype)
         cols = torch.arange(z.shape[1], device=z.device)
