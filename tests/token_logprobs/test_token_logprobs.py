@@ -207,3 +207,29 @@ def test_masked_vocabulary_under_scale_and_softcap(impl, scale, softcap):
     assert torch.isfinite(got).all() and torch.isfinite(want).all()
     assert torch.all(got[masked] == 0)
     torch.testing.assert_close(got.double(), want, atol=2e-5 * want.abs().max().item(), rtol=0)
+
+
+def _fp32_logprobs(x, t):
+    """PyTorch's own fp32 log-prob and entropy (its log_softmax keeps x - max exact)."""
+    ls = torch.log_softmax(x, dim=-1)
+    return ls.gather(-1, t[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
+
+
+@pytest.mark.parametrize("vocab,rows", [(67, 6), (4099, 2)])
+def test_large_offset_gradient_keeps_fp32_precision(impl, vocab, rows):
+    g = torch.Generator().manual_seed(13)
+    z = torch.randn(rows, vocab, generator=g) * 2 + 1e4  # exact fp32 values near 1e4
+    t = torch.randint(0, vocab, (rows,), generator=g)
+    g_lp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    z64 = z.double().requires_grad_()
+    (want,) = _grads(oracle(z64, t)[:2], z64, g_lp.double(), g_ent.double())
+    leaf = z.clone().requires_grad_()
+    (torch_fp32,) = _grads(_fp32_logprobs(leaf, t), leaf, g_lp, g_ent)
+    out = token_logprobs(leaf, t, return_entropy=True)
+    (got,) = _grads((out.log_probs, out.entropy), leaf, g_lp, g_ent)
+    # p_j from the fp32-rounded lse is off by up to ulp(1e4) / 2 ~ 5e-4 of itself, and so is
+    # the entropy term's x_j - lse: ~1e-4 of the largest entry. From exact x - max and the
+    # unrounded log-sum the error is a few fp32 roundings, ~1e-7 as PyTorch's; 1e-5 between
+    tol = dict(rtol=1e-5, atol=1e-6 * want.abs().max().item())
+    torch.testing.assert_close(torch_fp32.double(), want, **tol)  # the bound is fair to PyTorch
+    torch.testing.assert_close(got.double(), want, **tol)
