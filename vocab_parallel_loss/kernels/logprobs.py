@@ -40,10 +40,13 @@ def _row_start(row, D1, s0, s1):
 def _transform(z, inv_t, scale, softcap, HAS_CAP: tl.constexpr):
     """``x = cap(scale z) / T`` and ``dx/dz``."""
     y = z * scale
+    # one return per branch: the compiler checks every return of a static if against the others
     if HAS_CAP:
         th = 2.0 / (1.0 + tl.exp(-2.0 * (y / softcap))) - 1.0  # tanh, stable for large |y|
-        return softcap * th * inv_t, (1.0 - th * th) * scale * inv_t
-    return y * inv_t, scale * inv_t
+        x, chain = softcap * th * inv_t, (1.0 - th * th) * scale * inv_t
+    else:
+        x, chain = y * inv_t, tl.broadcast_to(scale * inv_t, y.shape)
+    return x, chain
 
 
 @triton.jit
