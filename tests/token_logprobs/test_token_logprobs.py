@@ -1,6 +1,7 @@
 """Per-token log-probs and entropy over logits (``token_logprobs``) against the fp64 oracle, on
-both backends: values and gradients under random upstream gradients. (The last two tests also
-cover ``linear_token_logprobs`` beside it: under torch.compile and for a second derivative.)"""
+both backends: values and gradients under random upstream gradients, a masked vocabulary (-inf
+logits) and logits near a large offset. (Two tests also cover ``linear_token_logprobs`` beside
+it: under torch.compile and for a second derivative.)"""
 
 import pytest
 import torch
