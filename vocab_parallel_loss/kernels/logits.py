@@ -440,8 +440,8 @@ def _ce_backward_kernel(
         row = tl.program_id(0)
         g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
         _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, N, V_local, D1, s0,
-                      s1, d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
-                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT)
+                      s1, d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing,
+                      z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT)
 
 
 @triton.jit
@@ -672,8 +672,9 @@ UNLESS_UNIT_PER_SM = 8
 def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_unit=False):
     """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
 
-    ``lse`` is the ``(2, N)`` lse and low part that the forward wrote. ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
-    ``count`` (a device scalar) divides it for a mean reduction, or is None. ``unless_unit``:
+    ``lse`` is the ``(2, N)`` lse and low part that the forward wrote. ``dloss`` is the
+    per-token upstream gradient (any stride, 0 for a broadcast scalar); ``count`` (a device
+    scalar) divides it for a mean reduction, or is None. ``unless_unit``:
     ``dview`` holds the gradient for a unit scalar ``dloss`` already (``forward_grad``); it is
     rewritten only when ``dloss`` is not 1.
     """
