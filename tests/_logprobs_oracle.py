@@ -20,7 +20,9 @@ def oracle(z, target, temperature=1.0, ignore_index=-100, softcap=None, scale=1.
     idx = torch.where(ignored, torch.zeros_like(t), t).clamp(0, x.shape[-1] - 1)
     lp = ls.gather(-1, idx[..., None])[..., 0]
     p = ls.exp()
-    ent = -torch.where(p > 0, p * ls, torch.zeros_like(p)).sum(-1)  # 0 log 0 = 0
+    # 0 log 0 = 0. The log is masked before the product: a where around p * ls would still
+    # differentiate that product, 0 * -inf, into NaN at masked (-inf) columns
+    ent = -(p * torch.where(p > 0, ls, torch.zeros_like(ls))).sum(-1)
     zero = torch.zeros((), dtype=torch.float64)
     return torch.where(ignored, zero, lp), torch.where(ignored, zero, ent), x.argmax(-1)
 

@@ -30,7 +30,9 @@ torch_linear = torch_linear_module.TorchBackend
 
 @runtime_checkable
 class LogitsBackend(Protocol):
-    """The loss over logits, one shard's rows (``ops/cross_entropy``)."""
+    """The loss over logits, one shard's rows (``ops/cross_entropy``). ``lse`` is ``(2, N)``:
+    the lse and its low part (``formulas.lse_low``), written by ``forward``/``merge`` and read
+    by ``backward``."""
 
     NAME: str
     #: a reduced loss on one shard can form its gradient in the forward pass (``forward_grad``,
@@ -45,7 +47,8 @@ class LogitsBackend(Protocol):
 
 @runtime_checkable
 class RowsBackend(Protocol):
-    """Log-prob statistics and their gradient over rows of logits (``ops/token_logprobs``)."""
+    """Log-prob statistics and their gradient over rows of logits (``ops/token_logprobs``);
+    ``backward``'s ``lse`` is ``(2, N)``: the lse and its low part (``formulas.lse_low``)."""
 
     NAME: str
     TRACEABLE: bool  #: torch.compile traces it (else it runs as a graph break)

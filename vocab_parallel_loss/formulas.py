@@ -135,6 +135,16 @@ def merge_logprob_stats(parts: torch.Tensor):
     return m, s, w, parts[:, 3].sum(dim=0), col
 
 
+def lse_low(m, s, lse):
+    """What the rounded ``lse = m + log s`` lost: ``lse + low`` is the log-sum-exp to the
+    precision of ``log s`` rather than of ``lse`` (Fast2Sum: exact when ``|m| >= log s``, as
+    for logits near a large offset, where ``lse`` is off by up to half an ulp of the offset).
+    Backward takes the softmax as ``exp((x - lse) - low)``, in which ``x - lse`` is exact near
+    the max. 0 where ``lse`` is not finite (the row's result is NaN or -inf already)."""
+    low = (m - lse) + torch.log(s)
+    return torch.where(torch.isfinite(lse), low, torch.zeros_like(low))
+
+
 def logprob_and_entropy(m, s, w, x_t):
     """``(log p_t, entropy, lse)`` from merged statistics: ``log p_t = (x_t - m) - log s`` and
     ``H = log s - w / s`` keep full precision when every logit carries a large offset."""

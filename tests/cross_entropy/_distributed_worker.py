@@ -128,6 +128,40 @@ def check_input_domain(group):
         torch.testing.assert_close(loss.double().cpu(), ref, atol=0, rtol=rtol)
 
 
+def check_masked_and_offset(group):
+    """A masked vocabulary (-inf columns, and one rank's whole shard -inf in some rows) and
+    logits near a large offset: the gradient from the merged lse and its low part, as precise
+    as the loss (a softmax from the fp32-rounded lse would be 5e-4 off of itself)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    v_local, rows = 19, 6
+    v = v_local * world
+    gen = torch.Generator().manual_seed(8)
+    target = torch.randint(0, v - v_local, (rows,), generator=gen)  # never in the last shard
+    target[4] = -100
+    masked = torch.randn(rows, v, generator=gen) * 2
+    masked[torch.rand(rows, v, generator=gen) < 0.3] = float("-inf")
+    masked[:3, v - v_local:] = float("-inf")  # the last rank's whole shard, rows 0-2
+    masked[torch.arange(rows), target.clamp(min=0)] = 1.0  # the targets stay finite
+    offset = torch.randn(rows, v, generator=gen) * 2 + 1e4  # exact fp32 values near 1e4
+    for full, smoothing in ((masked, 0.0), (offset, 0.0), (offset, 0.1)):
+        for reduction in ("none", "mean"):
+            x = shard(full.to(DEVICE), rank, world).clone().requires_grad_()
+            loss = VocabParallelCrossEntropy(group, reduction=reduction,
+                                             label_smoothing=smoothing)(x, target.to(DEVICE))
+            upstream = torch.rand(loss.shape, generator=gen) + 0.5
+            (grad,) = torch.autograd.grad(loss, x, upstream.to(DEVICE))
+            ref_loss, ref_grad = full_vocab_loss_and_grad(full, target, upstream,
+                                                          label_smoothing=smoothing,
+                                                          reduction=reduction)
+            torch.testing.assert_close(loss.double().cpu(), ref_loss, atol=1e-5, rtol=1e-5)
+            mine = shard(ref_grad, rank, world)
+            assert torch.isfinite(grad).all()
+            assert torch.all(grad.cpu()[mine == 0] == 0)  # masked columns, ignored rows
+            # a few fp32 roundings of each entry (the old lse-rounded softmax: 5e-4 of it)
+            torch.testing.assert_close(grad.double().cpu(), mine, rtol=2e-5, atol=1e-8)
+            same_on_every_rank(loss.detach(), group)
+
+
 def check_against_megatron(group, world):
     """Our drop-in vs megatron-core's own vocab_parallel_cross_entropy (no smoothing)."""
     from megatron.core import parallel_state, tensor_parallel
@@ -218,6 +252,7 @@ def checks(group, world, impls):
                                          z_loss=0.0))
         yield f"{impl}/against_megatron", on(impl, check_against_megatron, group, world)
         yield f"{impl}/input_domain", on(impl, check_input_domain, group)
+        yield f"{impl}/masked_and_offset", on(impl, check_masked_and_offset, group)
     yield "compiled", lambda: check_compiled(group)
     if world > 1:  # one rank has nothing to compare its shard with
         yield "unequal_shards", lambda: check_unequal_shards(group)

@@ -159,10 +159,9 @@ def test_padding_minus_inf_and_huge_logits(impl):
     ref_loss, ref_grad = full_vocab_loss_and_grad(logits, target)
     assert torch.isfinite(loss).all() and torch.isfinite(grad).all()
     assert torch.all(grad[..., 30:] == 0)
-    # fp32 arithmetic on logits near 1e4: x - lse is exact to |x| * 2^-24 ~ 6e-4
-    torch.testing.assert_close(loss.double(), ref_loss, atol=2e-3, rtol=1e-6)
-    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-3, rtol=0)
-    torch.testing.assert_close(grad[1:].double(), ref_grad[1:], atol=2e-6, rtol=4e-6)
+    # near 1e4 too the loss and the softmax come from exact differences x - max
+    torch.testing.assert_close(loss.double(), ref_loss, atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=2e-6, rtol=4e-6)
 
 
 def test_whole_row_minus_inf_in_one_shard_only(impl):
@@ -256,7 +255,7 @@ def test_forward_saves_nothing_of_size_n_by_v(impl):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         cross_entropy(logits, make_target((8, 3), 101), label_smoothing=0.1)
-    big = [t for t in saved if t.numel() > n]
+    big = [t for t in saved if t.numel() > 2 * n]  # the lse and its low part: 2 N floats
     assert len(big) == 1 and big[0].data_ptr() == logits.data_ptr()
 
 

@@ -34,8 +34,9 @@ def check_every_api(got: dict, impls) -> None:
     names = [n for n in got if not n.startswith("shapes/")]
     for name in names:
         check_passed(got, name)
-    # 36 fp32 cases, bf16, megatron-core and the input domain per backend; compile; unequal widths
-    assert len(names) == 39 * len(impls) + 2
+    # 36 fp32 cases, bf16, megatron-core, the input domain and the masked and offset logits per
+    # backend; compile; unequal widths
+    assert len(names) == 40 * len(impls) + 2
 
 
 @pytest.mark.distributed

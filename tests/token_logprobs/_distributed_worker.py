@@ -82,6 +82,44 @@ def case_logits(unequal, per_token_t):
     assert torch.all(local.grad[..., stop - start:] == 0)
 
 
+def case_masked_or_offset(kind):
+    """``masked``: -inf columns (a masked vocabulary) and, in some rows, one rank's whole shard
+    -inf, under a per-token temperature: 0 gradient there, not NaN. ``offset``: fp32 logits
+    near 1e4, whose gradient needs the merged lse's low part (a softmax from the fp32-rounded
+    lse would be 5e-4 off of itself)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    v_local, rows = 13, 6
+    vocab = v_local * world
+    g = torch.Generator().manual_seed(7)
+    t = torch.randint(0, vocab - v_local, (rows,), generator=g)  # never in the last shard
+    t[5] = -100
+    g_lp, g_ent = torch.randn(rows, generator=g), torch.randn(rows, generator=g)
+    if kind == "masked":
+        z = torch.randn(rows, vocab, generator=g) * 2
+        z[torch.rand(rows, vocab, generator=g) < 0.3] = float("-inf")
+        z[:3, vocab - v_local:] = float("-inf")  # the last rank's whole shard, rows 0-2
+        z[torch.arange(rows), t.clamp(min=0)] = 0.5  # the targets stay finite
+        temp = torch.rand(rows, generator=g) + 0.5
+    else:
+        z = torch.randn(rows, vocab, generator=g) * 2 + 1e4  # exact fp32 values near 1e4
+        temp = 1.0  # a temperature would round x = z / T itself by as much
+    local = z[:, rank * v_local:(rank + 1) * v_local].to(DEVICE).requires_grad_()
+    out = token_logprobs(local, t.to(DEVICE), tp_group=dist.group.WORLD, return_entropy=True,
+                         temperature=temp.to(DEVICE) if kind == "masked" else temp)
+    for x in out[:2]:
+        same_on_every_rank(x)
+    z64 = z.double().requires_grad_()
+    lp, ent, _ = oracle(z64, t, temp.double() if kind == "masked" else temp)
+    close("log_probs", out.log_probs, lp.detach())
+    close("entropy", out.entropy, ent.detach())
+    ((out.log_probs * g_lp.to(DEVICE)).sum() + (out.entropy * g_ent.to(DEVICE)).sum()).backward()
+    ((lp * g_lp.double()).sum() + (ent * g_ent.double()).sum()).backward()
+    got, want = local.grad.cpu(), z64.grad[:, rank * v_local:(rank + 1) * v_local]
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    assert torch.all(got[want == 0] == 0)  # masked columns, the ignored row
+    close("dlogits", got, want, 1e-5)
+
+
 def case_hidden(sp, unequal, budget):
     """The fused path under TP: ``budget`` "saved" (every tile), "split" (the first tile saved,
     the rest recomputed) or "recompute" (``memory_budget=0``; the PyTorch backend ignores it)."""
@@ -143,6 +181,8 @@ def checks(impls):
             for per_token_t in (False, True):
                 yield (f"{impl}/logits/unequal={unequal}/per_token_t={per_token_t}",
                        on(impl, case_logits, unequal, per_token_t))
+        for kind in ("masked", "offset"):
+            yield f"{impl}/logits/{kind}", on(impl, case_masked_or_offset, kind)
         for sp, unequal, budget in ((False, False, "saved"), (True, False, "split"),
                                     (True, True, "recompute"), (False, True, "split")):
             yield (f"{impl}/hidden/sp={sp}/unequal={unequal}/{budget}",

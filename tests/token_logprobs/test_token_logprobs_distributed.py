@@ -31,15 +31,17 @@ def _passed(results, kind, n, impls=IMPLS):
 def check_both_ops(results, impls) -> None:
     """Every case of both ops passed (the two tests below); the GPU test's check
     (test_token_logprobs_gpu.py)."""
-    _passed(results, "logits", 4, impls)
+    # equal / unequal shards, scalar / per-token temperature; masked vocabulary, large offset
+    _passed(results, "logits", 6, impls)
     _passed(results, "hidden", 4, impls)
-    assert len(results) == 8 * len(impls), sorted(results)
+    assert len(results) == 10 * len(impls), sorted(results)
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 def test_token_logprobs_matches_full_vocab_oracle(results):
-    _passed(results, "logits", 4)  # equal / unequal shards, scalar / per-token temperature
+    # equal / unequal shards, scalar / per-token temperature; masked vocabulary, large offset
+    _passed(results, "logits", 6)
 
 
 @pytest.mark.distributed

@@ -182,11 +182,13 @@ def _row_stats(x_row, V_local, t_local, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.c
 @triton.jit
 def _loss_from_stats(t, m, s, x_t, d, V_global, ignore_index, smoothing, z_loss,
                      HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr):
-    """Per-token loss and the lse saved for backward (NaN for an out-of-range target) from the
-    row's max ``m``, ``s = sum exp(x - m)``, target logit and ``d = sum (x - m)``; the large
-    terms cancel first, as in ``formulas.token_loss``."""
+    """Per-token loss, the lse (NaN for an out-of-range target) and its low part (what the
+    rounded lse lost, ``formulas.lse_low``: both are saved for backward) from the row's max
+    ``m``, ``s = sum exp(x - m)``, target logit and ``d = sum (x - m)``; the large terms cancel
+    first, as in ``formulas.token_loss``."""
     log_s = tl.log2(s) * 0.6931471805599453
     lse = m + log_s
+    low = tl.where(tl.abs(lse) < float("inf"), (m - lse) + log_s, 0.0)
     loss = (m - x_t) + log_s
     if HAS_SMOOTHING:
         loss = (1.0 - smoothing) * loss + smoothing * (log_s - d / V_global)
@@ -197,7 +199,7 @@ def _loss_from_stats(t, m, s, x_t, d, V_global, ignore_index, smoothing, z_loss,
     loss = tl.where(bad, float("nan"), loss)
     loss = tl.where(ignored, 0.0, loss)
     lse = tl.where(bad, float("nan"), lse)
-    return loss, lse
+    return loss, lse, low
 
 
 @triton.jit
@@ -216,10 +218,11 @@ def _ce_forward_kernel(
                                   True)
     if FINALIZE:
         # one shard holds the whole vocabulary: the loss comes straight out
-        loss, lse = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index, smoothing,
-                                     z_loss, HAS_SMOOTHING, HAS_Z)
+        loss, lse, low = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index,
+                                          smoothing, z_loss, HAS_SMOOTHING, HAS_Z)
         tl.store(loss_ptr + row, loss)
-        tl.store(lse_ptr + row, lse)
+        tl.store(lse_ptr + row, lse)  # (2, N): the lse, then its low part
+        tl.store(lse_ptr + N + row, low)
     else:
         # stats layout (4, N): max, sum-exp, target logit, sum (x - max); then this shard's
         # width, gathered with them (communication.check_shapes)
@@ -264,10 +267,11 @@ def _ce_merge_kernel(
     m = tl.where(s != s, s, m)
     m = tl.where(unequal, float("nan"), m)
     t = tl.load(tgt_ptr + rows.to(tl.int64) * tgt_stride, mask=row_ok, other=0).to(tl.int64)
-    loss, lse = _loss_from_stats(t, m, s, x_t, d, V_global, ignore_index, smoothing, z_loss,
-                                 HAS_SMOOTHING, HAS_Z)
+    loss, lse, low = _loss_from_stats(t, m, s, x_t, d, V_global, ignore_index, smoothing,
+                                      z_loss, HAS_SMOOTHING, HAS_Z)
     tl.store(loss_ptr + rows, loss, mask=row_ok)
-    tl.store(lse_ptr + rows, lse, mask=row_ok)
+    tl.store(lse_ptr + rows, lse, mask=row_ok)  # (2, N): the lse, then its low part
+    tl.store(lse_ptr + N + rows, low, mask=row_ok)
 
 
 @triton.jit
@@ -299,19 +303,33 @@ def _ce_reduce_kernel(loss_ptr, tgt_ptr, out_ptr, count_ptr, N, tgt_stride, igno
 
 
 @triton.jit
-def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
+def _softmax_base(lse, low):
+    """``(lse2, scale)`` such that ``scale * exp2(fma(x, log2 e, -lse2))`` is
+    ``exp(x - (lse + low))``, the softmax from the lse and its low part (``formulas.lse_low``).
+
+    ``lse2`` is the base-2 lse rounded to fp32, whose error (up to half an ulp: 5e-4 at 1e4)
+    would be every ``p``'s relative error, as the rounding of ``lse`` itself would. Both are
+    taken into the per-row ``scale``: ``lse2 - lse log2 e`` exactly (the product's rounding, an
+    fma) less ``low log2 e``. Per element it stays one fma and one ``exp2``, whose argument is
+    rounded relative to ``x - lse`` (the fma rounds once), not to ``lse``."""
+    lse2 = lse * 1.4426950408889634
+    return lse2, tl.exp2(tl.fma(lse, -1.4426950408889634, lse2) - low * 1.4426950408889634)
+
+
+@triton.jit
+def _row_grad(x_row, dx_row, V_local, t_local, lse2, coef, target_coef, uniform, valid,
               HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr):
-    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once.
+    """dx_j = coef * softmax_j - target_coef [j == t] - uniform over one row, rounded once;
+    ``lse2`` and the scale in ``coef`` from ``_softmax_base``.
 
     ``LOAD_HINT``: the L2 eviction policy of the reads (``backward_config``); the writes are
     unhinted (``evict_first`` on them was slower)."""
-    lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     for start in range(0, V_local, BLOCK):
         idx = start + cols
         mask = idx < V_local
         x = tl.load(x_row + idx, mask=mask, other=0.0, eviction_policy=LOAD_HINT).to(tl.float32)
-        p = tl.exp2(x * 1.4426950408889634 - lse2)
+        p = tl.exp2(tl.fma(x, 1.4426950408889634, -lse2))
         if HAS_SMOOTHING:  # the uniform term folded into the selected constant: one FMA
             dx = coef * p - tl.where(idx == t_local, target_coef + uniform, uniform)
         else:
@@ -321,7 +339,7 @@ def _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, 
 
 
 @triton.jit
-def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef, uniform, valid,
+def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse2, coef, target_coef, uniform, valid,
                    ref, HAS_SMOOTHING: tl.constexpr, BLOCK: tl.constexpr, SUM_X: tl.constexpr,
                    STORE_HINT: tl.constexpr):
     """``_row_grad`` for the fused kernel, with fewer instructions per element: that kernel does
@@ -338,7 +356,6 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
     ``sum (x - ref)`` over the row (label smoothing's loss needs it, ``ref`` the row's max:
     ``formulas.py``), a subtract and an add per element into a per-lane accumulator, with no
     select; an ignored row returns 0."""
-    lse2 = lse * 1.4426950408889634
     cols = tl.arange(0, BLOCK)
     n_full = V_local // BLOCK
     tail = n_full * BLOCK
@@ -351,7 +368,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
             # adds 0 to the sum (a select here cost 48 registers more: ptxas 13.4, sm_90a)
             x = tl.load(x_row + idx, mask=mask, other=ref if SUM_X else 0.0,
                         eviction_policy="evict_first").to(tl.float32)
-            dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
+            dx = coef * tl.exp2(tl.fma(x, 1.4426950408889634, -lse2))
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
@@ -361,7 +378,7 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         for i in range(0, n_full):
             idx = (n_full - 1 - i) * BLOCK + cols
             x = tl.load(x_row + idx, eviction_policy="evict_first").to(tl.float32)
-            dx = coef * tl.exp2(x * 1.4426950408889634 - lse2)
+            dx = coef * tl.exp2(tl.fma(x, 1.4426950408889634, -lse2))
             if HAS_SMOOTHING:
                 dx -= uniform
             if SUM_X:
@@ -371,9 +388,9 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
         tl.debug_barrier()  # every thread's store of the target column is behind this one
         # the same rounding as ``_row_grad``'s target column (the two paths agree bitwise)
         if HAS_SMOOTHING:
-            dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - (target_coef + uniform)
+            dx_t = coef * tl.exp2(tl.fma(x_t, 1.4426950408889634, -lse2)) - (target_coef + uniform)
         else:
-            dx_t = coef * tl.exp2(x_t * 1.4426950408889634 - lse2) - target_coef
+            dx_t = coef * tl.exp2(tl.fma(x_t, 1.4426950408889634, -lse2)) - target_coef
         tl.store(dx_row + tl.where(in_shard, t_local, 0), dx_t.to(dx_row.dtype.element_ty),
                  mask=in_shard)
     else:
@@ -385,12 +402,13 @@ def _row_grad_lean(x_row, dx_row, V_local, t_local, x_t, lse, coef, target_coef,
 
 
 @triton.jit
-def _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z: tl.constexpr):
-    """(coef, target_coef, uniform) of ``_row_grad`` for upstream gradient ``g``."""
+def _grad_coefs(g, lse, scale, valid, smoothing, z_loss, V_global, HAS_Z: tl.constexpr):
+    """(coef, target_coef, uniform) of ``_row_grad`` for upstream gradient ``g``; ``scale``
+    from ``_softmax_base``, taken into ``coef``."""
     coef = g
     if HAS_Z:
         coef = g * (1.0 + 2.0 * z_loss * tl.where(valid, lse, 0.0))
-    return coef, g * (1.0 - smoothing), g * smoothing / V_global
+    return coef * scale, g * (1.0 - smoothing), g * smoothing / V_global
 
 
 @triton.jit
@@ -415,20 +433,20 @@ def _ce_backward_kernel(
             pid, n_prog = tl.program_id(0), tl.num_programs(0)
             for i in range(0, tl.cdiv(N - pid, n_prog)):
                 _backward_row(pid + i * n_prog, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr,
-                              V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
+                              N, V_local, D1, s0, s1, d0, d1, tgt_stride, vocab_start, V_global,
                               ignore_index, smoothing, z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK,
                               LOAD_HINT)
     else:
         row = tl.program_id(0)
         g = tl.load(dloss_ptr + row.to(tl.int64) * dloss_stride).to(tl.float32)
-        _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1,
-                      d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
-                      MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT)
+        _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, N, V_local, D1, s0,
+                      s1, d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing,
+                      z_loss, MEAN, HAS_SMOOTHING, HAS_Z, BLOCK, LOAD_HINT)
 
 
 @triton.jit
-def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D1, s0, s1, d0,
-                  d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
+def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, N, V_local, D1, s0, s1,
+                  d0, d1, tgt_stride, vocab_start, V_global, ignore_index, smoothing, z_loss,
                   MEAN: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z: tl.constexpr,
                   BLOCK: tl.constexpr, LOAD_HINT: tl.constexpr):
     x_row = x_ptr + _row_start(row, D1, s0, s1)
@@ -438,9 +456,12 @@ def _backward_row(row, g, x_ptr, dx_ptr, tgt_ptr, lse_ptr, count_ptr, V_local, D
     valid = t != ignore_index
     if MEAN:
         g = g / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
+    # (2, N): the lse, then its low part
     lse = tl.where(valid, tl.load(lse_ptr + row), 0.0)
-    coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global, HAS_Z)
-    _row_grad(x_row, dx_row, V_local, t_local, lse, coef, target_coef, uniform, valid,
+    lse2, scale = _softmax_base(lse, tl.where(valid, tl.load(lse_ptr + N + row), 0.0))
+    coef, target_coef, uniform = _grad_coefs(g, lse, scale, valid, smoothing, z_loss, V_global,
+                                             HAS_Z)
+    _row_grad(x_row, dx_row, V_local, t_local, lse2, coef, target_coef, uniform, valid,
               HAS_SMOOTHING, BLOCK, LOAD_HINT)
 
 
@@ -503,15 +524,16 @@ def _ce_forward_grad_kernel(
         if SUM_IN_GRAD:  # the lse now (NaN for an out-of-range target), the loss after pass 2
             m, s, x_t, _ = _row_stats(x_row, V_local, t_local, False, BLOCK, VEC, "evict_last",
                                       False)
-            _, lse = _loss_from_stats(t, m, s, x_t, 0.0, V_global, ignore_index, smoothing,
-                                      z_loss, False, HAS_Z)
+            _, lse, low = _loss_from_stats(t, m, s, x_t, 0.0, V_global, ignore_index,
+                                           smoothing, z_loss, False, HAS_Z)
         else:
             m, s, x_t, sum_x = _row_stats(x_row, V_local, t_local, HAS_SMOOTHING, BLOCK, VEC,
                                           "evict_last", False)
-            loss, lse = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index, smoothing,
-                                         z_loss, HAS_SMOOTHING, HAS_Z)
+            loss, lse, low = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index,
+                                              smoothing, z_loss, HAS_SMOOTHING, HAS_Z)
             tl.store(loss_ptr + row, loss)
-        tl.store(lse_ptr + row, lse)
+        tl.store(lse_ptr + row, lse)  # (2, N): the lse, then its low part
+        tl.store(lse_ptr + N + row, low)
         g = 1.0
         if MEAN:
             if GDC:  # the count kernel has finished and its store is visible
@@ -519,15 +541,16 @@ def _ce_forward_grad_kernel(
             g = 1.0 / tl.maximum(tl.load(count_ptr).to(tl.float32), 1.0)
         valid = t != ignore_index
         lse = tl.where(valid, lse, 0.0)
-        coef, target_coef, uniform = _grad_coefs(g, lse, valid, smoothing, z_loss, V_global,
-                                                 HAS_Z)
+        lse2, scale = _softmax_base(lse, tl.where(valid, low, 0.0))
+        coef, target_coef, uniform = _grad_coefs(g, lse, scale, valid, smoothing, z_loss,
+                                                 V_global, HAS_Z)
         sum_x = _row_grad_lean(x_row, dx_ptr + _row_start(row, D1, d0, d1), V_local, t_local,
-                               x_t, lse, coef, target_coef, uniform, valid,
+                               x_t, lse2, coef, target_coef, uniform, valid,
                                tl.where(m == float("-inf"), 0.0, m), HAS_SMOOTHING, GRAD_BLOCK,
                                SUM_IN_GRAD and HAS_SMOOTHING, STORE_HINT)
         if SUM_IN_GRAD:
-            loss, _ = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index, smoothing,
-                                       z_loss, HAS_SMOOTHING, HAS_Z)
+            loss, _, _ = _loss_from_stats(t, m, s, x_t, sum_x, V_global, ignore_index,
+                                          smoothing, z_loss, HAS_SMOOTHING, HAS_Z)
             tl.store(loss_ptr + row, loss)
 
 
@@ -567,7 +590,9 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
     """Per-row statistics into ``stats``, or, when ``stats`` is None, loss and lse directly.
 
     ``stats`` is the flat send buffer of ``communication.stats_size(4, N)`` floats: the ``(4, N)``
-    statistics, then this shard's width (the shapes gathered with them).
+    statistics, then this shard's width (the shapes gathered with them). ``lse`` is a contiguous
+    ``(2, N)`` buffer: the lse, then its low part (``formulas.lse_low``), both saved for
+    backward; ``loss`` is ``(N,)``.
 
     ``view`` is a ``RowView`` of the logits, ``target`` the flat (N,) targets, ``opts`` the
     ``LossOptions``; ``memo`` (a dict, or None) remembers the launch for the next call with the
@@ -591,8 +616,9 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
 
 
 def merge(gathered, target, loss, lse, opts):
-    """Loss and lse (N,) from ``gathered``, the ``(world, stats_size(4, N))`` all-gather of every
-    rank's ``forward`` statistics (``communication.gather_stats``)."""
+    """Loss (N,) and lse (2, N: with its low part, as ``forward``'s) from ``gathered``, the
+    ``(world, stats_size(4, N))`` all-gather of every rank's ``forward`` statistics
+    (``communication.gather_stats``)."""
     world, n = gathered.shape[0], target.numel()
     _, vocab_size, ignore_index, smoothing, z_loss = opts
     block_n = 128
@@ -646,8 +672,9 @@ UNLESS_UNIT_PER_SM = 8
 def backward(view, dview, target, lse, dloss, count, opts, memo=None, unless_unit=False):
     """Write the logits gradient into ``dview`` (which may be ``view``: in-place backward).
 
-    ``dloss`` is the per-token upstream gradient (any stride, 0 for a broadcast scalar);
-    ``count`` (a device scalar) divides it for a mean reduction, or is None. ``unless_unit``:
+    ``lse`` is the ``(2, N)`` lse and low part that the forward wrote. ``dloss`` is the
+    per-token upstream gradient (any stride, 0 for a broadcast scalar); ``count`` (a device
+    scalar) divides it for a mean reduction, or is None. ``unless_unit``:
     ``dview`` holds the gradient for a unit scalar ``dloss`` already (``forward_grad``); it is
     rewritten only when ``dloss`` is not 1.
     """
@@ -773,9 +800,9 @@ def count(target, ignore_index, memo=None):
 
 
 def forward_grad(view, dview, target, loss, lse, count, opts, memo=None):
-    """Per-token loss and lse, and into ``dview`` the gradient of the sum (``count`` None) or of
-    the mean over ``count`` tokens, for an upstream gradient of 1: the fused path of a reduced
-    loss when one shard holds the whole vocabulary."""
+    """Per-token loss and lse (``(2, N)``, as ``forward``'s), and into ``dview`` the gradient of
+    the sum (``count`` None) or of the mean over ``count`` tokens, for an upstream gradient of
+    1: the fused path of a reduced loss when one shard holds the whole vocabulary."""
     n, x = target.numel(), view.tensor
     v_local = x.shape[-1]
     mean = count is not None

@@ -12,7 +12,8 @@ entropy's term, kept relative to ``m`` so a large common offset cancels exactly)
 ``x`` (0 when the target is not in this block) and the global column of the max (first on ties).
 
 Backward writes ``dz = chain * (g_lp [j == t] - p_j (g_lp + g_ent (x_j - lse + H)))`` from the
-saved ``lse`` and entropy ``H``, where ``chain`` is ``d x / d z``.
+saved ``lse`` (with its low part, ``formulas.lse_low``) and entropy ``H``, where ``chain`` is
+``d x / d z``.
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def _row_start(row, D1, s0, s1):
 def _transform(z, inv_t, scale, softcap, HAS_CAP: tl.constexpr):
     """``x = cap(scale z) / T`` and ``dx/dz``."""
     y = z * scale
+    # one return per branch: the compiler checks every return of a static if against the others
     if HAS_CAP:
         th = 2.0 / (1.0 + tl.exp(-2.0 * (y / softcap))) - 1.0  # tanh, stable for large |y|
-        return softcap * th * inv_t, (1.0 - th * th) * scale * inv_t
-    return y * inv_t, scale * inv_t
+        x, chain = softcap * th * inv_t, (1.0 - th * th) * scale * inv_t
+    else:
+        x, chain = y * inv_t, tl.broadcast_to(scale * inv_t, y.shape)
+    return x, chain
 
 
 @triton.jit
@@ -95,7 +99,7 @@ def _logprob_stats_kernel(z_ptr, tgt_ptr, inv_t_ptr, stats_ptr, N, valid, D1, s0
 
 @triton.jit
 def _logprob_backward_kernel(z_ptr, dz_ptr, tgt_ptr, inv_t_ptr, lse_ptr, ent_ptr, glp_ptr,
-                             gent_ptr, valid, V, D1, s0, s1, gD1, gs0, gs1, tgt_stride,
+                             gent_ptr, N, valid, V, D1, s0, s1, gD1, gs0, gs1, tgt_stride,
                              inv_t_stride, col_start, scale, softcap, HAS_CAP: tl.constexpr,
                              BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -104,11 +108,18 @@ def _logprob_backward_kernel(z_ptr, dz_ptr, tgt_ptr, inv_t_ptr, lse_ptr, ent_ptr
     dz_row = dz_ptr + _row_start(row, gD1, gs0, gs1)
     t_local = tl.load(tgt_ptr + r64 * tgt_stride).to(tl.int64) - col_start
     inv_t = tl.load(inv_t_ptr + r64 * inv_t_stride).to(tl.float32)
-    lse = tl.load(lse_ptr + r64)
+    lse = tl.load(lse_ptr + r64)  # (2, N): the lse, then its low part
+    low = tl.load(lse_ptr + N + r64)
     ent = tl.load(ent_ptr + r64)
     g_lp = tl.load(glp_ptr + r64)
     g_ent = tl.load(gent_ptr + r64)
     live = (g_lp != 0.0) | (g_ent != 0.0)
+    # p_j = exp(d_j - low) and x_j - (lse + low) = d_j - low with d_j = x_j - lse, exact near
+    # the max (the rounded lse would be off by half an ulp of a large offset): the low part
+    # goes into the row's coefficients, dx = g_lp [j == t] - exp(d_j) (a + b d_j)
+    c = tl.exp(-low)
+    a = c * (g_lp + g_ent * (ent - low))
+    b = c * g_ent
     offs = tl.arange(0, BLOCK)
     for start in range(0, V, BLOCK):
         cols = start + offs
@@ -116,9 +127,10 @@ def _logprob_backward_kernel(z_ptr, dz_ptr, tgt_ptr, inv_t_ptr, lse_ptr, ent_ptr
         mask = cols < valid
         z = tl.load(z_row + cols, mask=mask, other=0.0).to(tl.float32)
         x, chain = _transform(z, inv_t, scale, softcap, HAS_CAP)
-        d = x - lse
-        p = tl.exp(d)
-        dx = tl.where(cols == t_local, g_lp, 0.0) - p * (g_lp + g_ent * (d + ent))
+        # a masked (-inf) logit has p = 0 and must add 0, not 0 * -inf: below -1e4 exp is 0
+        # in fp32, so the clamp changes no p; NaN still propagates
+        d = tl.maximum(x - lse, -1.0e4, propagate_nan=tl.PropagateNan.ALL)
+        dx = tl.where(cols == t_local, g_lp, 0.0) - tl.exp(d) * (a + b * d)
         # g_lp = g_ent = 0 (an ignored token) gives exact zeros, whatever p is
         dz = tl.where(mask, tl.where(live, dx * chain, 0.0), 0.0)
         tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=in_row)
@@ -148,14 +160,14 @@ def backward(view, dview, target, inv_t, lse, ent, g_lp, g_ent, col_start: int, 
              scale: float, softcap):
     """Write the gradient of ``sum(g_lp * log_prob + g_ent * entropy)`` w.r.t. the raw logits
     of ``view`` into ``dview`` (which may be ``view`` itself: each element is read before it is
-    written, by the same program)."""
+    written, by the same program). ``lse``: contiguous ``(2, N)``, the lse and its low part."""
     n = target.numel()
     if n == 0:
         return
     v = view.vocab
     inv_t, inv_stride = _scalar_or_rows(inv_t)
     launch(_logprob_backward_kernel, (n,), view.tensor, dview.tensor, target, inv_t, lse, ent,
-           g_lp, g_ent, valid, v, view.D1, view.s0, view.s1, dview.D1, dview.s0, dview.s1,
+           g_lp, g_ent, n, valid, v, view.D1, view.s0, view.s1, dview.D1, dview.s0, dview.s1,
            target.stride(0), inv_stride, col_start, float(scale), float(softcap or 1.0),
            HAS_CAP=softcap is not None, BLOCK=min(_block(v), 2048),
            num_warps=4 if v <= 4096 else 8)

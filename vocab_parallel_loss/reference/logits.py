@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formulas import compute_dtype, merge_stats, reduce_loss, token_loss
+from ..formulas import compute_dtype, lse_low, merge_stats, reduce_loss, token_loss
 
 #: Backend capabilities (``backends.LogitsBackend``)
 NAME = "torch"
@@ -44,9 +44,11 @@ def row_blocks(view):
 
 
 def _loss_and_lse(t, m, s, x_t, d, opts):
+    """The loss and the ``(2, rows)`` lse with its low part (``formulas.lse_low``)."""
     _, vocab_size, ignore_index, smoothing, z_loss = opts
     loss, lse, _, bad = token_loss(t, m, s, x_t, d, vocab_size, ignore_index, smoothing, z_loss)
-    return loss, torch.where(bad, torch.full_like(lse, float("nan")), lse)
+    low = lse_low(m, s, lse)
+    return loss, torch.stack([torch.where(bad, torch.full_like(lse, float("nan")), lse), low])
 
 
 def _local_stats(rows, t, vocab_start, smoothing):
@@ -66,7 +68,8 @@ def _local_stats(rows, t, vocab_start, smoothing):
 
 
 def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
-    """Same contract as ``kernels.logits.forward``."""
+    """Same contract as ``kernels.logits.forward``: ``lse`` is ``(2, N)``, the lse and its
+    low part (``formulas.lse_low``)."""
     vocab_start, vocab_size, ignore_index, smoothing, z_loss = opts
     t = target.long()
     n = t.numel()
@@ -78,14 +81,14 @@ def forward(view, target, opts, stats=None, loss=None, lse=None, memo=None):
         m, s, x_t, d = _local_stats(rows, t[lo:hi], vocab_start, smoothing)
         if stats is None:
             l, e = _loss_and_lse(t[lo:hi], m, s, x_t, d, opts)
-            loss[lo:hi], lse[lo:hi] = l, e
+            loss[lo:hi], lse[:, lo:hi] = l, e
         else:
             stats[:, lo:hi] = torch.stack([m, s, x_t, d])
 
 
 def merge(gathered, target, loss, lse, opts):
     """Same contract as ``kernels.logits.merge``: ``gathered`` holds every rank's flat send
-    buffer; shards of unequal width give NaN."""
+    buffer; shards of unequal width give NaN; ``lse`` is ``(2, N)`` (``forward``)."""
     world, n = gathered.shape[0], target.numel()
     v_part = opts.vocab_size // world
     m, s, x_t, d = merge_stats(gathered[:, :4 * n].view(world, 4, n), v_part)
@@ -112,7 +115,7 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None):
         g = g / count.clamp(min=1).to(acc)
     valid = t != ignore_index
     g = torch.where(valid, g, torch.zeros_like(g))
-    lse = torch.where(valid, lse, torch.zeros_like(lse))
+    lse, low = (torch.where(valid, r, torch.zeros_like(r)) for r in lse)
     cols = torch.arange(v, device=lse.device)
     dblocks = row_blocks(dview)
     for lo, hi, block in row_blocks(view):
@@ -120,7 +123,9 @@ def backward(view, dview, target, lse, dloss, count, opts, memo=None):
         x = block.reshape(-1, v).to(acc)
         gc, lc = g[lo:hi, None], lse[lo:hi, None]
         coef = gc * (1.0 + 2.0 * z_loss * lc) if z_loss != 0 else gc
-        dx = coef * torch.exp(x - lc)
+        # softmax_j = exp((x_j - lse) - low): x - lse is exact near the max, and the low part
+        # (what the rounded lse lost) is taken into the row's coefficient
+        dx = (coef * torch.exp(-low[lo:hi, None])) * torch.exp(x - lc)
         onehot = cols[None, :] == (t[lo:hi, None] - vocab_start)
         dx = dx - torch.where(onehot, gc * (1.0 - smoothing), torch.zeros_like(dx))
         if smoothing > 0:

@@ -51,19 +51,26 @@ def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap
 
 def backward(view, dview, target, inv_t, lse, ent, g_lp, g_ent, col_start: int, valid: int,
              scale: float, softcap):
+    """As ``kernels.logprobs.backward``: ``lse`` is ``(2, N)``, the lse and its low part."""
     t = target.long()
+    lse, low = lse
     dblocks = row_blocks(dview)
     for lo, hi, block in row_blocks(view):
         dblock = next(dblocks)[2]
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32
         z = block.reshape(-1, block.shape[-1]).to(dtype)
         x, chain = transform(z, _inv_t_rows(inv_t, lo, hi, dtype), scale, softcap)
-        d = x - lse[lo:hi, None].to(dtype)
-        p = torch.exp(d)
+        # as the kernel: a masked (-inf) logit adds p * (d + H) = 0, not 0 * -inf (exp is 0
+        # below -1e4 in fp32 and fp64, so the clamp changes no p; clamp keeps NaN)
+        d = torch.clamp(x - lse[lo:hi, None].to(dtype), min=-1.0e4)
         glp, gent = g_lp[lo:hi, None].to(dtype), g_ent[lo:hi, None].to(dtype)
+        # the low part in the row's coefficients, as the kernel: dx = g_lp [j == t] - e^d (a + b d)
+        lw = low[lo:hi, None].to(dtype)
+        c = torch.exp(-lw)
+        a, b = c * (glp + gent * (ent[lo:hi, None] - lw)), c * gent
         cols = torch.arange(z.shape[1], device=z.device)
         onehot = cols[None, :] == (t[lo:hi, None] - col_start)
-        dx = torch.where(onehot, glp, torch.zeros_like(p)) - p * (glp + gent * (d + ent[lo:hi, None]))
+        dx = torch.where(onehot, glp, torch.zeros_like(d)) - torch.exp(d) * (a + b * d)
         live = (cols[None, :] < valid) & ((glp != 0) | (gent != 0))
         dz = torch.where(live, dx * chain, torch.zeros_like(dx))
         dblock.copy_(dz.view(dblock.shape))

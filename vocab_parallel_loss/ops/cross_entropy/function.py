@@ -3,7 +3,8 @@ that ``functional.cross_entropy`` calls).
 
 Forward (per rank): one pass over the local shard gives per-row statistics; with tensor
 parallelism one all-gather of those (4 x N floats) and a merge give the full-vocabulary loss and
-lse on every rank. Saved for backward: the logits reference, the flat targets and the lse (O(N)).
+lse on every rank. Saved for backward: the logits reference, the flat targets and the lse with
+its low part (``formulas.lse_low``; 2 x N floats).
 Backward: no communication; one pass recomputes the softmax from the saved lse and writes the
 gradient, rounded once to the logits dtype, into a new tensor or over the logits.
 
@@ -91,8 +92,8 @@ def _fused_forward(ctx, view, t, plan):
     mean = plan.reduction == "mean"
     count = backend.count(t, opts.ignore_index, memo) if mean else None
     dview = like_rows(view)
-    buf = torch.empty((2, n), dtype=torch.float32, device=device)
-    loss, lse = buf[0], buf[1]
+    buf = torch.empty((3, n), dtype=torch.float32, device=device)
+    loss, lse = buf[0], buf[1:]  # the lse and its low part
     backend.forward_grad(view, dview, t, loss, lse, count, opts, memo)
     out, _ = backend.reduce(loss, t, opts.ignore_index, mean, memo, count, chained=True)
     ctx.save_for_backward(view.tensor, t, lse, count)
@@ -235,5 +236,5 @@ def log_sum_exp(logits, target, tp_group, ignore_index) -> torch.Tensor:
     with torch.no_grad():
         _, lse = compiled.ce_forward(logits.detach(), target, communication.group_key(tp_group),
                                      ignore_index, 0.0, 0.0)
-        lse = lse.view(target.shape)
+        lse = lse[0].view(target.shape)  # without its low part
         return torch.where(target.long() == ignore_index, torch.zeros_like(lse), lse)

@@ -18,21 +18,23 @@ from ...layout import like_rows
 
 
 def forward_impl(view, t, group, opts, memo=None):
-    """Per-token fp32 loss and lse of flat targets ``t`` from the ``RowView`` of the logits."""
+    """Per-token fp32 loss ``(N,)`` and lse ``(2, N)`` of flat targets ``t`` from the
+    ``RowView`` of the logits: the lse and its low part (``formulas.lse_low``), what backward
+    needs for a softmax as precise as the loss near a large common offset."""
     logits = view.tensor
     n, device = t.numel(), logits.device
     dtype = compute_dtype(logits.dtype)  # fp32, or fp64 for float64 logits
     loss = torch.empty(n, dtype=dtype, device=device)
     if opts.vocab_size == logits.shape[-1]:  # one shard holds the whole vocabulary
-        lse = torch.empty(n, dtype=dtype, device=device)
+        lse = torch.empty((2, n), dtype=dtype, device=device)
         if n > 0:
             logits_backend(logits).forward(view, t, opts, None, loss, lse, memo)
         return loss, lse
     # the stats (with this shard's width after them, written by the forward) and the lse in one
     # allocation: the lse is saved, the stats are gathered
     size = communication.stats_size(4, n)
-    buf = torch.empty(size + n, dtype=dtype, device=device)
-    send, lse = buf[:size], buf[size:]
+    buf = torch.empty(size + 2 * n, dtype=dtype, device=device)
+    send, lse = buf[:size], buf[size:].view(2, n)
     if n > 0:
         backend = logits_backend(logits)
         backend.forward(view, t, opts, send, None, None, memo)

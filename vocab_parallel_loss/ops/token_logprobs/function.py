@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ... import backends, communication
-from ...formulas import logprob_and_entropy, merge_logprob_stats
+from ...formulas import logprob_and_entropy, lse_low, merge_logprob_stats
 from ...layout import RowView, like_rows, row_view
 from ...reference import logprobs as torch_rows
 from ...runtime import untraced
@@ -43,10 +43,13 @@ def _gather(stats, o: LogprobOptions):
 
 
 def finish(stats, t, o: LogprobOptions):
-    """Merge over the TP group; apply ignore and out-of-range targets."""
+    """Merge over the TP group; apply ignore and out-of-range targets. Returns ``(log_prob,
+    entropy, lse, argmax, ignored, bad, low)``; ``low`` is the lse's low part
+    (``formulas.lse_low``)."""
     parts, agree = _gather(stats, o)
     m, s, w, x_t, col = merge_logprob_stats(parts)
     logp, ent, lse = logprob_and_entropy(m, s, w, x_t)
+    low = lse_low(m, s, lse)
     if agree is not None:  # shards that disagree: NaN on every rank, without a host sync
         nan = torch.full((), float("nan"), dtype=lse.dtype, device=lse.device)
         logp, ent, lse = (torch.where(agree, x, nan) for x in (logp, ent, lse))
@@ -55,7 +58,7 @@ def finish(stats, t, o: LogprobOptions):
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(ignored, zero, torch.where(bad, torch.full_like(logp, float("nan")), logp))
     ent = torch.where(ignored, zero, ent)
-    return logp, ent, lse, col.to(torch.int64), ignored, bad
+    return logp, ent, lse, col.to(torch.int64), ignored, bad, low
 
 
 def upstream_grad(g, n, like, ignored, bad=None):
@@ -94,8 +97,10 @@ class _FromLogits(torch.autograd.Function):
             o.rows.stats(view, t, inv_t, o.col_start, o.valid, o.scale, o.softcap, stats)
         else:
             stats.zero_()
-        logp, ent, lse, col, ignored, bad = finish(stats, t, o)
-        ctx.save_for_backward(view.tensor, t, inv_t, lse, ent, ignored, bad)
+        logp, ent, lse, col, ignored, bad, low = finish(stats, t, o)
+        # the lse with its low part: backward's softmax as precise as the forward near a large
+        # common offset
+        ctx.save_for_backward(view.tensor, t, inv_t, torch.stack([lse, low]), ent, ignored, bad)
         ctx.rows = (view.D1, view.s0, view.s1)
         ctx.o = o
         ctx.mark_non_differentiable(col)
@@ -110,8 +115,8 @@ class _FromLogits(torch.autograd.Function):
         if g_lp is None and g_ent is None:
             return None, None, None, None
         n = t.numel()
-        g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
-        g_ent = upstream_grad(g_ent, n, lse, ignored)
+        g_lp = upstream_grad(g_lp, n, ent, ignored, bad)
+        g_ent = upstream_grad(g_ent, n, ent, ignored)
         view = RowView(logits, *ctx.rows)
         dview = like_rows(view)
         o.rows.backward(view, dview, t, inv_t, lse, ent, g_lp, g_ent, o.col_start, o.valid,
