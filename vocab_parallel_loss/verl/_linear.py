@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import linear_token_logprobs
+from .. import checks, linear_token_logprobs
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -18,6 +18,7 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     """
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    checks.check_group(dist_process_group, "dist_process_group")
     h = hidden.reshape(-1, hidden.shape[-1])
     out = linear_token_logprobs(h, weight, labels.reshape(-1), tp_group=dist_process_group,
                                 temperature=temperature, ignore_index=-(2**63),

@@ -137,7 +137,7 @@ def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperat
     """``functional.linear_token_logprobs`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-                   gradient_accumulation_fusion)
+                   gradient_accumulation_fusion, tp_group)
     world = communication.world_size(tp_group)
     sp = bool(sequence_parallel) and world > 1
     lead = list(hidden.shape[:-1])

@@ -34,7 +34,8 @@ class LogprobOptions(NamedTuple):
     width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
 
 
-def check(logits) -> None:
+def check(logits, tp_group) -> None:
+    checks.check_group(tp_group)
     checks.check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty vocabulary dim, got {tuple(logits.shape)}")

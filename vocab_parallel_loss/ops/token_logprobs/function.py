@@ -141,7 +141,7 @@ def rows_backend(kernels: bool, dtype):
 def logprobs(logits, target, tp_group, temperature, ignore_index, return_entropy,
              return_argmax, vocab_range):
     """``functional.token_logprobs`` (see there): check, options, backend, then the Function."""
-    contract.check(logits)
+    contract.check(logits, tp_group)
     t = contract.flat_targets(target, logits.shape[:-1], logits.device)
     o = contract.options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
                          rows_backend(backends.triton_runs(logits), logits.dtype), logits.device)
