@@ -152,8 +152,11 @@ def token_logprobs(
     ``softmax(logits / temperature)`` over the full vocabulary, from this rank's vocabulary shard.
 
     ``logits`` is ``(..., V_local)`` with any strides; ``target`` its leading shape (any integer
-    dtype). ``temperature``: a float > 0 or a float tensor of ``target``'s shape (not
-    differentiated). ``vocab_range=(start, stop)``: this rank's columns hold global ids
+    dtype). ``temperature``: a float > 0 (else ``ValueError``) or a float tensor of ``target``'s
+    shape, or of one element (not differentiated). A tensor's values are not read on the host:
+    a token whose temperature is not finite and > 0 (in the compute dtype) gets a NaN log-prob
+    and entropy, and a NaN gradient wherever either is differentiated; its argmax, which no
+    temperature > 0 moves, is still given. ``vocab_range=(start, stop)``: this rank's columns hold global ids
     ``[start, start + V_local)``, of which ``[start, stop)`` are vocabulary and the rest padding
     (ranks may hold different counts); by default rank ``r`` holds ``[r V_local, (r+1) V_local)``.
     Returns ``TokenLogprobs(log_probs, entropy, argmax)`` shaped like ``target``: fp32 (float64
@@ -188,6 +191,9 @@ def linear_token_logprobs(
     without materializing them: the Triton kernels form them tile by tile (the fused linear
     engine of ``linear_cross_entropy``), PyTorch one fp32 column chunk at a time.
 
+    ``temperature`` as for ``token_logprobs``: a NaN log-prob and entropy where a per-token
+    temperature is not finite and > 0, and a NaN gradient where either is differentiated (the
+    gradient of ``weight`` sums over the tokens: NaN then).
     ``hidden`` is ``(..., H)``; with ``sequence_parallel=True`` this rank's shard of dim 0
     (Megatron's ``[s/tp, b, h]``), gathered over ``tp_group`` inside, its gradient
     reduce-scattered back. ``weight`` is this rank's ``(V_local, H)`` rows, ``target`` has the

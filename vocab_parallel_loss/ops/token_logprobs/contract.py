@@ -74,24 +74,30 @@ def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
                           0 if vocab_range is not None else v_local)
 
 
-def inverse_temperature(temperature, target, like) -> torch.Tensor:
-    """``1 / temperature`` on ``like``'s device: one element, or one per token."""
+def inverse_temperature(temperature, target, like):
+    """``(1 / temperature, unusable)`` on ``like``'s device: one element, or one per token.
+
+    A float must be finite and > 0 (``ValueError``). A tensor's values cannot be checked without
+    a host sync: ``unusable`` marks its elements that are not (NaN, inf, zero or negative, also
+    once cast to the compute dtype), whose tokens get NaN outputs (``finish``); the kernels see
+    1 there instead. ``unusable`` is None for a float."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     if isinstance(temperature, torch.Tensor):
         if temperature.requires_grad and torch.is_grad_enabled():
             raise ValueError("temperature is not differentiated: pass it detached")
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
-        if temperature.numel() == 1 and temperature.dim() == 0:
-            return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(1)
-        if tuple(temperature.shape) != tuple(target.shape):
-            raise ValueError(f"a temperature tensor must have the target's shape "
-                             f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
-        return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(-1).contiguous()
+        if temperature.numel() != 1 or temperature.dim() != 0:
+            if tuple(temperature.shape) != tuple(target.shape):
+                raise ValueError(f"a temperature tensor must have the target's shape "
+                                 f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
+        inv = 1.0 / temperature.to(device=like.device, dtype=dtype).reshape(-1)
+        usable = torch.isfinite(inv) & (inv > 0)
+        return torch.where(usable, inv, torch.ones((), dtype=dtype, device=like.device)), ~usable
     value = float(temperature)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device)
+    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device), None
 
 
 def shaped(lp, ent, col, shape, return_entropy, return_argmax) -> TokenLogprobs:

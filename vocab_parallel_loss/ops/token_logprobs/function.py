@@ -42,9 +42,11 @@ def _gather(stats, o: LogprobOptions):
     return communication.gathered_stats(gathered, k, n), agree
 
 
-def finish(stats, t, o: LogprobOptions):
-    """Merge over the TP group; apply ignore and out-of-range targets. Returns ``(log_prob,
-    entropy, lse, argmax, ignored, bad, low)``; ``low`` is the lse's low part
+def finish(stats, t, o: LogprobOptions, bad_t=None):
+    """Merge over the TP group; apply ignore, out-of-range targets and unusable temperatures
+    (``bad_t``, ``contract.inverse_temperature``). Returns ``(log_prob, entropy, lse, argmax,
+    ignored, bad, bad_ent, low)``: ``bad`` and ``bad_ent`` mark the tokens whose differentiated
+    log-prob or entropy get a NaN gradient (``upstream_grad``), ``low`` is the lse's low part
     (``formulas.lse_low``)."""
     parts, agree = _gather(stats, o)
     m, s, w, x_t, col = merge_logprob_stats(parts)
@@ -55,15 +57,22 @@ def finish(stats, t, o: LogprobOptions):
         logp, ent, lse = (torch.where(agree, x, nan) for x in (logp, ent, lse))
     ignored = t == o.ignore_index
     bad = ~ignored & ((t < 0) | (t >= o.vocab_size))
+    nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
+    bad_ent = None
+    if bad_t is not None:  # no distribution at this temperature: NaN, whatever the target
+        bad_ent = ~ignored & bad_t
+        bad = bad | bad_ent
+        ent = torch.where(bad_ent, nan, ent)
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
-    logp = torch.where(ignored, zero, torch.where(bad, torch.full_like(logp, float("nan")), logp))
+    logp = torch.where(ignored, zero, torch.where(bad, nan, logp))
     ent = torch.where(ignored, zero, ent)
-    return logp, ent, lse, col.to(torch.int64), ignored, bad, low
+    return logp, ent, lse, col.to(torch.int64), ignored, bad, bad_ent, low
 
 
 def upstream_grad(g, n, like, ignored, bad=None):
     """A per-token upstream gradient: zeros when absent, 0 for ignored tokens, NaN for tokens
-    with an out-of-range target whose log-prob is differentiated (their log-prob is NaN)."""
+    whose output is NaN (``bad``: an out-of-range target's log-prob, an unusable temperature's
+    outputs) where it is differentiated."""
     if g is None:
         return torch.zeros(n, dtype=like.dtype, device=like.device)
     g = g.reshape(-1).to(like.dtype)
@@ -86,7 +95,7 @@ def hidden_grad(de, full_shape, e, group, sequence_parallel: bool):
 
 class _FromLogits(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, t, inv_t, o: LogprobOptions):
+    def forward(ctx, logits, t, inv_t, bad_t, o: LogprobOptions):
         ctx.set_materialize_grads(False)
         view = row_view(logits)
         n = t.numel()
@@ -97,10 +106,11 @@ class _FromLogits(torch.autograd.Function):
             o.rows.stats(view, t, inv_t, o.col_start, o.valid, o.scale, o.softcap, stats)
         else:
             stats.zero_()
-        logp, ent, lse, col, ignored, bad, low = finish(stats, t, o)
+        logp, ent, lse, col, ignored, bad, bad_ent, low = finish(stats, t, o, bad_t)
         # the lse with its low part: backward's softmax as precise as the forward near a large
         # common offset
-        ctx.save_for_backward(view.tensor, t, inv_t, torch.stack([lse, low]), ent, ignored, bad)
+        ctx.save_for_backward(view.tensor, t, inv_t, torch.stack([lse, low]), ent, ignored, bad,
+                              bad_ent)
         ctx.rows = (view.D1, view.s0, view.s1)
         ctx.o = o
         ctx.mark_non_differentiable(col)
@@ -110,25 +120,25 @@ class _FromLogits(torch.autograd.Function):
     def backward(ctx, g_lp, g_ent, _):
         if torch.is_grad_enabled():  # create_graph=True
             refuse_double_backward("token_logprobs")
-        logits, t, inv_t, lse, ent, ignored, bad = ctx.saved_tensors
+        logits, t, inv_t, lse, ent, ignored, bad, bad_ent = ctx.saved_tensors
         o = ctx.o
         if g_lp is None and g_ent is None:
-            return None, None, None, None
+            return None, None, None, None, None
         n = t.numel()
         g_lp = upstream_grad(g_lp, n, ent, ignored, bad)
-        g_ent = upstream_grad(g_ent, n, ent, ignored)
+        g_ent = upstream_grad(g_ent, n, ent, ignored, bad_ent)
         view = RowView(logits, *ctx.rows)
         dview = like_rows(view)
         o.rows.backward(view, dview, t, inv_t, lse, ent, g_lp, g_ent, o.col_start, o.valid,
                         o.scale, o.softcap)
-        return dview.tensor, None, None, None
+        return dview.tensor, None, None, None, None
 
 
-def from_logits(logits, t, inv_t, o: LogprobOptions):
+def from_logits(logits, t, inv_t, bad_t, o: LogprobOptions):
     """``(log_probs, entropy, argmax)`` flat, from this rank's logits shard."""
     if o.rows.TRACEABLE:
-        return _FromLogits.apply(logits, t, inv_t, o)
-    return untraced(_FromLogits.apply, logits, t, inv_t, o)
+        return _FromLogits.apply(logits, t, inv_t, bad_t, o)
+    return untraced(_FromLogits.apply, logits, t, inv_t, bad_t, o)
 
 
 def rows_backend(kernels: bool, dtype):
@@ -145,6 +155,6 @@ def logprobs(logits, target, tp_group, temperature, ignore_index, return_entropy
     t = contract.flat_targets(target, logits.shape[:-1], logits.device)
     o = contract.options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
                          rows_backend(backends.triton_runs(logits), logits.dtype), logits.device)
-    inv_t = contract.inverse_temperature(temperature, target, logits)
-    lp, ent, col = from_logits(logits, t, inv_t, o)
+    inv_t, bad_t = contract.inverse_temperature(temperature, target, logits)
+    lp, ent, col = from_logits(logits, t, inv_t, bad_t, o)
     return contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
