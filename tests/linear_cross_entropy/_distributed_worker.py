@@ -145,6 +145,13 @@ CASES = [
 ]
 
 
+def check_reused_group(*, impl):
+    """One group, call after call with other sequence lengths and vocabulary shards (sequence
+    parallel, then not): each call's loss and gradients against the oracle."""
+    for s, v_local, sp in ((8, 23, True), (4, 17, True), (8, 23, True), (6, 17, False)):
+        check_case(impl=impl, reduction="none", sp=sp, shift=1, s=s, v_local=v_local)
+
+
 def case_name(impl, case) -> str:
     return impl + "/" + ",".join(f"{k}={getattr(v, '__name__', v)}".replace("torch.", "")
                                  for k, v in case.items())
@@ -154,9 +161,11 @@ def main() -> int:
     init_process_group()
     torch.manual_seed(0)
     impls = sys.argv[1:] or ["triton", "torch"]
-    run_checks(((case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
-                for impl in impls for case in CASES if impl == "triton" or not case.get("gif")),
-               summary="linear cases passed")
+    cases = [(case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
+             for impl in impls for case in CASES if impl == "triton" or not case.get("gif")]
+    cases += [(f"{impl}/reused group", lambda impl=impl: check_reused_group(impl=impl))
+              for impl in impls]
+    run_checks(cases, summary="linear cases passed")
     dist.barrier()
     end_worker()  # no interpreter finalization: see tests/_torchrun.py
     return 0

@@ -247,7 +247,7 @@ def test_masked_vocabulary_under_scale_and_softcap(impl, scale, softcap):
     temp = torch.rand(5, generator=g) + 0.5
     x = z.clone().requires_grad_()
     o = contract.options(None, 23, None, -100, scale, softcap,
-                         function.rows_backend(backends.triton_runs(x), x.dtype), x.device)
+                         function.rows_backend(backends.triton_runs(x), x.dtype))
     lp, ent, _ = function.from_logits(x, t, *contract.inverse_temperature(temp, t, x), o)
     z64 = z.double().requires_grad_()
     want_lp, want_ent, _ = oracle(z64, t, temp, softcap=softcap, scale=scale)

@@ -48,3 +48,12 @@ def test_token_logprobs_matches_full_vocab_oracle(results):
 @pytest.mark.timeout(600)
 def test_linear_token_logprobs_matches_full_vocab_oracle(results):
     _passed(results, "hidden", 4)  # saved, split (SP; unequal), recompute (SP, unequal)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_groups_reused_with_other_ranges_and_wrong_shapes(results):
+    # one group reused with vocabulary ranges that change (every rank runs the same
+    # collectives; exact values each time); ranges that do not tile and unequal sequence shards
+    # raise on every rank that has not verified its own before, NaN on the others
+    _passed(results, "groups", 5)

@@ -44,7 +44,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 plan):
         ctx.set_materialize_grads(False)
         K, st, need_argmax, main_grad = plan
-        full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
+        full = (communication.gather_along_first_dim(e, o.group, o.sequence_rows)
+                if sequence_parallel else e)
         e2 = full.reshape(-1, full.shape[-1])
         n, v = e2.shape[0], o.valid
         if n == 0 or v == 0:  # no rows, or a rank of padding only: the merge's neutral element
@@ -78,7 +79,7 @@ class _LinearLogprobs(torch.autograd.Function):
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
             return None, None, None, None, None, None, None, None, None
-        full = communication.gather_along_first_dim(e, o.group) if ctx.sp else e
+        full = communication.gather_along_first_dim(e, o.group, o.sequence_rows) if ctx.sp else e
         e2 = full.reshape(-1, full.shape[-1])
         n, v = e2.shape[0], o.valid
         g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
@@ -142,13 +143,16 @@ def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperat
     world = communication.world_size(tp_group)
     sp = bool(sequence_parallel) and world > 1
     lead = list(hidden.shape[:-1])
-    if sp:
-        lead[0] *= world
+    seq_rows = (0, 0)
+    rows = contract.sequence_rows(target, world) if sp else None
+    if rows is not None:
+        lead[0] = rows * world
+        seq_rows = (hidden.shape[0], rows)
     t = logprob_contract.flat_targets(target, torch.Size(lead), hidden.device)
     backend = backends.linear_backend(impl, hidden)
     o = logprob_contract.options(tp_group, weight.shape[0], vocab_range, ignore_index,
                                  float(logit_scale), None if softcap is None else float(softcap),
-                                 None, hidden.device)  # no row backend: the engine's stats
+                                 None, seq_rows)  # no row backend: the engine's stats
     inv_t, bad_t = logprob_contract.inverse_temperature(temperature, target, hidden)
     lp, ent, col = from_hidden(backend, hidden, weight, bias, t, inv_t, bad_t, o, sp,
                                bool(return_argmax), memory_budget, gradient_accumulation_fusion)

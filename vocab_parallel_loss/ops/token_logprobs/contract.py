@@ -27,11 +27,19 @@ class LogprobOptions(NamedTuple):
     col_start: int  # global id of this rank's first column
     valid: int  # columns of this rank that are vocabulary (the rest is padding)
     ignore_index: int
-    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs)
+    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs); with tensor
+    # parallelism 0: the ranks' ranges give it, from the statistics' all-gather
     scale: float
     softcap: Optional[float]
     rows: object  # the row backend (``backends.RowsBackend``); None from hidden states
-    width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
+    shapes: tuple  # this rank's shapes, gathered with the statistics and checked there
+    # (``communication.SHAPE_SLOTS``): columns, rows of e and the rows the targets give it
+    # (sequence parallel, else 0, 0), the ids (start, stop) its columns hold
+
+    @property
+    def sequence_rows(self) -> int:
+        """Rows of the hidden states every rank sends to the sequence-parallel gather."""
+        return self.shapes[2]
 
 
 def check(logits, tp_group) -> None:
@@ -55,23 +63,26 @@ def flat_targets(target, lead, device) -> torch.Tensor:
 
 
 def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
-            device) -> LogprobOptions:
-    """The options of this rank's ``v_local`` columns; ``vocab_range`` checked (and, when given,
-    the global vocabulary gathered from every rank's range)."""
+            seq_rows=(0, 0)) -> LogprobOptions:
+    """The options of this rank's ``v_local`` columns. ``vocab_range`` is checked here only
+    without tensor parallelism; with it, the ranks' ranges travel with the statistics and are
+    checked there on every rank (``communication.check_shapes``), so that a rank whose range
+    is wrong does not raise alone while the others wait in the all-gather. ``seq_rows``: this
+    rank's rows of the hidden states and the rows the targets give it (sequence parallel)."""
     if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     world = communication.world_size(group)
-    if vocab_range is None:  # equal shards, checked with the statistics' all-gather
-        start, valid, vocab = communication.rank(group) * v_local, v_local, world * v_local
+    if vocab_range is None:  # equal shards
+        start = communication.rank(group) * v_local
+        stop = start + v_local
     else:
         start, stop = (int(x) for x in vocab_range)
-        if not 0 <= start <= stop <= start + v_local:
-            raise ValueError(f"vocab_range must be (start, stop) with 0 <= start <= stop <= start"
-                             f" + V_local ({v_local}), got {tuple(vocab_range)}")
-        start, valid = start, stop - start
-        vocab = communication.vocab_size_of_ranges(start, stop, group, device)
-    return LogprobOptions(group, start, valid, int(ignore_index), vocab, scale, softcap, rows,
-                          0 if vocab_range is not None else v_local)
+        if world == 1 and not 0 == start <= stop <= v_local:
+            raise ValueError(f"vocab_range must be (0, stop) with stop <= V_local ({v_local}) "
+                             f"without tensor parallelism, got {tuple(vocab_range)}")
+    valid = min(max(stop - start, 0), v_local)  # a wrong range reads no column past the shard
+    return LogprobOptions(group, start, valid, int(ignore_index), stop if world == 1 else 0,
+                          scale, softcap, rows, (v_local, *seq_rows, start, stop))
 
 
 def inverse_temperature(temperature, target, like):

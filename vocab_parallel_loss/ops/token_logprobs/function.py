@@ -21,25 +21,33 @@ from ... import backends, communication
 from ...formulas import logprob_and_entropy, lse_low, merge_logprob_stats
 from ...layout import RowView, like_rows, row_view
 from ...reference import logprobs as torch_rows
-from ...runtime import untraced
+from ...runtime import compiling, untraced
 from ...autograd.first_order import refuse_double_backward
+from ..fused_linear import compiled_checks
 from . import contract
 from .contract import LogprobOptions
 
 
 def _gather(stats, o: LogprobOptions):
-    """``(world, 5, N)`` statistics of every rank, and a device bool: the ranks' shard widths
-    agree (``communication.check_shapes``: raised on a rank whose width is new to it)."""
+    """``(world, 5, N)`` statistics of every rank, a device bool: the ranks' shapes agree
+    (``communication.shapes_agree``; raised on a rank whose shapes are new to it,
+    ``check_shapes``), and the global vocabulary (a device int from the ranks' ranges)."""
     k, n = stats.shape
     if communication.world_size(o.group) == 1:
-        return stats.unsqueeze(0), None
+        return stats.unsqueeze(0), None, o.vocab_size
     send = stats.new_zeros(communication.stats_size(k, n))
     send[:k * n] = stats.reshape(-1)
-    send[k * n] = o.width
+    communication.put_shapes(send, k, n, o.shapes)
     gathered = communication.gather_stats(send, o.group)
-    communication.check_shapes(gathered, k, n, (o.width,), o.group)
-    agree = communication.shapes_agree(communication.gathered_shapes(gathered, k, n), (o.width,))
-    return communication.gathered_stats(gathered, k, n), agree
+    shapes = communication.gathered_shapes(gathered, k, n)
+    if compiling():  # the host check as an op of the graph, run at run time
+        agree = compiled_checks.shapes_agree(gathered, k, n, list(o.shapes),
+                                             communication.group_key(o.group))
+    else:
+        communication.check_shapes(gathered, k, n, o.shapes, o.group)
+        agree = communication.shapes_agree(shapes, o.shapes)
+    return (communication.gathered_stats(gathered, k, n), agree,
+            communication.gathered_vocab(shapes))
 
 
 def finish(stats, t, o: LogprobOptions, bad_t=None):
@@ -48,7 +56,7 @@ def finish(stats, t, o: LogprobOptions, bad_t=None):
     ignored, bad, bad_ent, low)``: ``bad`` and ``bad_ent`` mark the tokens whose differentiated
     log-prob or entropy get a NaN gradient (``upstream_grad``), ``low`` is the lse's low part
     (``formulas.lse_low``)."""
-    parts, agree = _gather(stats, o)
+    parts, agree, vocab = _gather(stats, o)
     m, s, w, x_t, col = merge_logprob_stats(parts)
     logp, ent, lse = logprob_and_entropy(m, s, w, x_t)
     low = lse_low(m, s, lse)
@@ -56,7 +64,7 @@ def finish(stats, t, o: LogprobOptions, bad_t=None):
         nan = torch.full((), float("nan"), dtype=lse.dtype, device=lse.device)
         logp, ent, lse = (torch.where(agree, x, nan) for x in (logp, ent, lse))
     ignored = t == o.ignore_index
-    bad = ~ignored & ((t < 0) | (t >= o.vocab_size))
+    bad = ~ignored & ((t < 0) | (t >= vocab))
     nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
     bad_ent = None
     if bad_t is not None:  # no distribution at this temperature: NaN, whatever the target
@@ -154,7 +162,7 @@ def logprobs(logits, target, tp_group, temperature, ignore_index, return_entropy
     contract.check(logits, tp_group)
     t = contract.flat_targets(target, logits.shape[:-1], logits.device)
     o = contract.options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
-                         rows_backend(backends.triton_runs(logits), logits.dtype), logits.device)
+                         rows_backend(backends.triton_runs(logits), logits.dtype))
     inv_t, bad_t = contract.inverse_temperature(temperature, target, logits)
     lp, ent, col = from_logits(logits, t, inv_t, bad_t, o)
     return contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
