@@ -221,8 +221,15 @@ def gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup,
     return out
 
 
-def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum over the group, each rank keeping its slice of dim 0 (sequence-parallel scatter)."""
+def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup,
+                                   shape: Optional[tuple] = None) -> torch.Tensor:
+    """Sum over the group, each rank keeping its slice of dim 0 (sequence-parallel scatter).
+
+    ``shape``: that of the tensor this rank gave ``gather_along_first_dim``. A rank whose
+    tensor had other rows than it sent gets NaN of that shape, after the collective (its forward
+    reported the mismatch; under torch.compile this backward is traced before anything runs,
+    and must not fail on that rank alone).
+    """
     n = world_size(group)
     if n == 1:
         return tensor
@@ -232,4 +239,6 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
     out = torch.empty((tensor.shape[0] // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     _reduce_scatter(out, tensor, op=dist.ReduceOp.SUM, group=group)
+    if shape is not None and tuple(shape) != tuple(out.shape):
+        return out.new_full(tuple(shape), float("nan"))
     return out

@@ -302,6 +302,30 @@ def case_unequal_sequence_shards():
         assert got == want, f"rows {rows}, targets {target_rows}: {got}, expected {want}"
 
 
+def case_compiled_unequal_sequence_shards():
+    """As ``case_unequal_sequence_shards`` under torch.compile, which traces the backward before
+    anything runs: the rank holding other rows must not fail there alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(61)
+    c = torch.randn(COLS, 6, generator=g).requires_grad_()
+
+    def run(rows):
+        e = torch.randn(rows, 2, 6, generator=g).requires_grad_()
+        t = torch.randint(0, COLS * world, (2 * world, 2), generator=g)
+        torch._dynamo.reset()
+        f = torch.compile(lambda e, c, t: linear_token_logprobs(
+            e, c, t, tp_group=group, sequence_parallel=True, return_entropy=True),
+            backend="aot_eager")
+        return everyone(outcome(lambda: f(e, c, t), "sequence_parallel=True"))
+
+    unequal = 2 + (rank == 1)
+    for want, rows in ((["raised"] * world, unequal), (["value"] * world, 2),
+                       (["raised" if r == 1 else "nan" for r in range(world)], unequal)):
+        got = run(rows)
+        assert got == want, f"rows {rows}: {got}, expected {want}"
+
+
 def group_checks(impls):
     """(name, check) of the cases above, on each backend."""
     def on(impl, case, *args):
@@ -315,6 +339,9 @@ def group_checks(impls):
             yield f"{impl}/groups/reused/{op}", on(impl, case_reused_group, op)
             yield f"{impl}/groups/wrong ranges/{op}", on(impl, case_wrong_ranges, op)
         yield f"{impl}/groups/unequal sequence shards", on(impl, case_unequal_sequence_shards)
+    if "torch" in impls:  # dynamo traces the PyTorch backend (the Triton one is a graph break)
+        yield ("torch/groups/compiled unequal sequence shards",
+               on("torch", case_compiled_unequal_sequence_shards))
 
 
 def checks(impls):

@@ -212,7 +212,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de32 = (_unshifted(de32, full_shape, shifted_shape, de32.dtype, o.seq_dim)
                         if o.shift else de32.view(full_shape))
                 if o.sequence_parallel:
-                    de32 = communication.reduce_scatter_along_first_dim(de32, o.group)
+                    de32 = communication.reduce_scatter_along_first_dim(de32, o.group,
+                                                                        e.shape)
                 de = de32.to(e.dtype)
         if db is not None:
             db = db.to(bias.dtype)

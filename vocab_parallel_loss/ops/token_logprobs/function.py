@@ -95,7 +95,7 @@ def hidden_grad(de, full_shape, e, group, sequence_parallel: bool):
     the TP group (with sequence parallelism reduce-scattered back to this rank's sequence
     shard), then rounded once to ``e``'s dtype and shape."""
     if sequence_parallel:
-        de = communication.reduce_scatter_along_first_dim(de.view(full_shape), group)
+        de = communication.reduce_scatter_along_first_dim(de.view(full_shape), group, e.shape)
     else:
         de = communication.all_reduce_sum(de, group)
     return de.to(e.dtype).view(e.shape)
