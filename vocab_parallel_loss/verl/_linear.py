@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .. import linear_token_logprobs
+from .. import checks, linear_token_logprobs
 
 _REDUCTIONS = ("none", "sum", "mean")
 
@@ -14,10 +14,13 @@ def linear_cross_entropy(hidden, weight, labels, temperature=1.0, reduction="non
     ``hidden`` is ``(..., H)`` (flattened to tokens), ``weight`` this rank's vocabulary shard of
     the output layer, ``labels`` the token ids (every label is a real token: no ignore index).
     Both outputs are fp32 of shape ``(num_tokens,)``; ``reduction="sum"``/``"mean"`` reduces
-    the log-probs over the tokens (the entropy stays per token), as verl does.
+    the log-probs over the tokens (the entropy stays per token), as verl does. ``temperature``
+    as ``linear_token_logprobs`` takes it: a float <= 0 raises, a per-token tensor (shaped like
+    the flattened ``labels``) gives NaN where an entry is not finite and > 0.
     """
     if not isinstance(reduction, str) or reduction.lower() not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    checks.check_group(dist_process_group, "dist_process_group")
     h = hidden.reshape(-1, hidden.shape[-1])
     out = linear_token_logprobs(h, weight, labels.reshape(-1), tp_group=dist_process_group,
                                 temperature=temperature, ignore_index=-(2**63),
