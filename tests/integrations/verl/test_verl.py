@@ -32,6 +32,21 @@ def test_verl_signature_and_reductions():
         verl_linear_cross_entropy(h, w, labels, 1.3, "max")
 
 
+def test_verl_temperature_shaped_like_labels():
+    # a [b, s] temperature with [b, s] labels is per token, flattened as the labels are
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(3, 5, 8, generator=g), torch.randn(33, 8, generator=g)
+    labels = torch.randint(0, 33, (3, 5), generator=g)
+    temp = torch.rand(3, 5, generator=g) + 0.5
+    lp, ent = verl_linear_cross_entropy(h, w, labels, temp)
+    want_lp, want_ent, _ = oracle(h.reshape(15, 8).double() @ w.double().t(), labels.reshape(-1),
+                                 temp.reshape(-1).double())
+    torch.testing.assert_close(lp.double(), want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        verl_linear_cross_entropy(h, w, labels, temp.t())
+
+
 def test_verl_unusable_temperature(impl):
     # a float <= 0 raises naming it; a per-token tensor gives those tokens NaN log-prob and
     # entropy, the other tokens their values
