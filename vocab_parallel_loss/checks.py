@@ -140,6 +140,21 @@ def check_shift(shift) -> None:
         raise ValueError(f"shift must be a non-negative int, got {shift!r}")
 
 
+def check_group(group, name: str = "tp_group") -> None:
+    """``group`` is None (no tensor parallelism) or a ``torch.distributed.ProcessGroup``. Anything
+    else would pass for a single rank while no process group exists, and fail inside a
+    collective once one does."""
+    if group is None:
+        return
+    dist = torch.distributed
+    pg = getattr(dist, "ProcessGroup", None) if dist.is_available() else None
+    if pg is None or not isinstance(group, pg):
+        shown = repr(group)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise TypeError(f"{name} must be None or a torch.distributed.ProcessGroup, got "
+                        f"{type(group).__name__} {shown}")
+
+
 def check_impl(impl) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

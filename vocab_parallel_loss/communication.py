@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .runtime import capturing, compiling
+from .runtime import capturing
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -76,17 +76,33 @@ def group_from_key(key: str) -> ProcessGroup:
 # * on the host, a rank reads the gathered shapes (one sync) while its own shapes are new to it
 #   and raises ``ValueError`` on a mismatch. On a first call every rank's shapes are new, so every
 #   rank raises; a rank whose shapes it has already verified reads nothing and gets the NaN.
+#
+# So what a rank has seen before decides at most whether it reads the host, never whether it runs
+# a collective, and a collective's size comes from what every rank shares (the number of tokens,
+# the targets), never from one rank's own shard: the sequence gather sends the rows the targets
+# give each rank (``gather_along_first_dim``), and the vocabulary of the log-prob ops'
+# ``vocab_range`` is the last rank's stop, read from the gathered shapes on the device.
 
-#: Floats each rank appends to its statistics: its vocabulary columns, then (fused linear loss
-#: with ``sequence_parallel``) its sequence rows and the rows the targets imply (else 0, 0). Four
-#: slots keep each rank's block 16-byte aligned. Exact as fp32 below 2**24 columns or rows.
-SHAPE_SLOTS = 4
+#: Floats each rank appends to its statistics, by slot: 0, its vocabulary columns; 1 and 2, with
+#: ``sequence_parallel``, its rows of ``e`` and the rows the targets give it (else 0, 0); 3 and 4,
+#: for the log-prob ops, the global ids ``[start, stop)`` its columns hold (``vocab_range``, or
+#: its equal shard's). Eight slots keep each rank's block 16-byte aligned. Exact as fp32 below
+#: 2**24 columns, rows or ids.
+SHAPE_SLOTS = 8
 _verified_shapes: set = set()
 
 
 def stats_size(k: int, n: int) -> int:
     """Floats of one rank's send buffer: ``(k, n)`` statistics, then ``SHAPE_SLOTS`` shapes."""
     return k * n + SHAPE_SLOTS
+
+
+def put_shapes(send: torch.Tensor, k: int, n: int, local: tuple) -> None:
+    """Write this rank's shapes ``local`` after the ``(k, n)`` statistics of a zeroed ``send``
+    buffer: one fill per non-zero slot, no host-to-device copy (it would sync)."""
+    for i, v in enumerate(local):
+        if v:
+            send[k * n + i].fill_(v)
 
 
 def gather_stats(send: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
@@ -111,10 +127,23 @@ def gathered_shapes(gathered: torch.Tensor, k: int, n: int) -> torch.Tensor:
     return gathered[:, k * n:]
 
 
+def gathered_vocab(shapes: torch.Tensor) -> torch.Tensor:
+    """Device int64 scalar: the global vocabulary of ranges that tile it, the last rank's stop
+    (``shapes`` of the log-prob ops, ``gathered_shapes``)."""
+    return shapes[-1, 4].to(torch.int64)
+
+
 def shapes_agree(shapes: torch.Tensor, local: tuple) -> torch.Tensor:
-    """Device bool scalar: every rank's vocabulary columns equal ``local[0]`` and every rank's
-    sequence rows equal the rows the targets imply (no host sync)."""
-    ok = shapes[:, 0] == local[0]
+    """Device bool scalar, the same on every rank (no host sync): with ``local`` of one or
+    three slots, every rank's vocabulary columns equal ``local[0]``; of five (the log-prob
+    ops), the ranks' ranges tile ``[0, V)`` in rank order, each within its rank's columns; with
+    three or more, every rank's rows of ``e`` equal the rows the targets imply."""
+    if len(local) >= 5:
+        cols, start, stop = shapes[:, 0], shapes[:, 3], shapes[:, 4]
+        before = torch.cat([torch.zeros_like(stop[:1]), stop[:-1]])  # 0, then the last stop
+        ok = (start == before) & (start <= stop) & (stop <= start + cols)
+    else:
+        ok = shapes[:, 0] == local[0]
     if len(local) > 1:
         ok = ok & (shapes[:, 1] == local[2])
     return ok.all()
@@ -123,12 +152,13 @@ def shapes_agree(shapes: torch.Tensor, local: tuple) -> torch.Tensor:
 def check_shapes(gathered: torch.Tensor, k: int, n: int, local: tuple,
                  group: ProcessGroup) -> None:
     """Raise ``ValueError`` when the shapes in ``gathered`` (``gather_stats`` of ``(k, n)``
-    statistics) disagree.
+    statistics) disagree, as ``shapes_agree`` decides.
 
-    ``local`` is this rank's ``(vocabulary columns,)`` or ``(vocabulary columns, sequence rows,
-    rows the targets imply)``. Reads ``shapes`` on the host (a sync) only while ``local`` is new
-    to this rank for ``group``, and never while a CUDA graph is being captured (its eager warm-up
-    step reads them); see the comment above ``SHAPE_SLOTS``.
+    ``local`` is this rank's first slots (see ``SHAPE_SLOTS``): ``(vocabulary columns,)``,
+    ``(vocabulary columns, sequence rows, rows the targets imply)`` or those and ``(start,
+    stop)``. Reads the shapes on the host (a sync) only while ``local`` is new to this rank for
+    ``group``, and never while a CUDA graph is being captured (its eager warm-up step reads
+    them); see the comment above ``SHAPE_SLOTS``.
     """
     key = (group_key(group), local)
     if key in _verified_shapes or capturing():
@@ -136,7 +166,19 @@ def check_shapes(gathered: torch.Tensor, k: int, n: int, local: tuple,
     shapes = gathered_shapes(gathered, k, n)[:, :len(local)]
     rows = [[int(v) for v in r] for r in shapes.tolist()]
     vocab = [r[0] for r in rows]
-    if any(v != local[0] for v in vocab):
+    if len(local) >= 5:
+        ranges = [(r[3], r[4]) for r in rows]
+        before = [0] + [hi for _, hi in ranges[:-1]]
+        if not all(lo == b and lo <= hi <= lo + c for (lo, hi), b, c in zip(ranges, before, vocab)):
+            if all(r == (i * c, (i + 1) * c) for i, (r, c) in enumerate(zip(ranges, vocab))):
+                raise ValueError(
+                    f"vocab shards differ across the tensor-parallel group: sizes per rank "
+                    f"{vocab}; every rank must hold the same number of vocabulary columns (pad "
+                    "the vocabulary), or pass vocab_range")
+            raise ValueError(
+                f"vocab_range of the ranks must tile [0, V) in rank order, each within its "
+                f"rank's columns: (start, stop) per rank {ranges}, columns per rank {vocab}")
+    elif any(v != local[0] for v in vocab):
         raise ValueError(
             f"vocab shards differ across the tensor-parallel group: sizes per rank {vocab}; "
             "every rank must hold the same number of vocabulary columns (pad the vocabulary)"
@@ -179,8 +221,15 @@ def gather_along_first_dim(tensor: torch.Tensor, group: ProcessGroup,
     return out
 
 
-def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """Sum over the group, each rank keeping its slice of dim 0 (sequence-parallel scatter)."""
+def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup,
+                                   shape: Optional[tuple] = None) -> torch.Tensor:
+    """Sum over the group, each rank keeping its slice of dim 0 (sequence-parallel scatter).
+
+    ``shape``: that of the tensor this rank gave ``gather_along_first_dim``. A rank whose
+    tensor had other rows than it sent gets NaN of that shape, after the collective (its forward
+    reported the mismatch; under torch.compile this backward is traced before anything runs,
+    and must not fail on that rank alone).
+    """
     n = world_size(group)
     if n == 1:
         return tensor
@@ -190,40 +239,6 @@ def reduce_scatter_along_first_dim(tensor: torch.Tensor, group: ProcessGroup) ->
     out = torch.empty((tensor.shape[0] // n,) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
                       device=tensor.device)
     _reduce_scatter(out, tensor, op=dist.ReduceOp.SUM, group=group)
+    if shape is not None and tuple(shape) != tuple(out.shape):
+        return out.new_full(tuple(shape), float("nan"))
     return out
-
-
-_vocab_of_ranges: dict = {}
-
-
-def vocab_size_of_ranges(start: int, stop: int, group: ProcessGroup, device) -> int:
-    """The global vocabulary size when each rank of ``group`` holds ids ``[start, stop)``.
-
-    The ranges must tile ``[0, V)`` in rank order, without gaps or overlaps (else
-    ``ValueError``). One tiny all-gather and a host read, once per (group, range) on each rank;
-    a CUDA-graph capture or a ``torch.compile`` trace needs an eager call with the same range
-    first.
-    """
-    n = world_size(group)
-    if n == 1:
-        if start != 0:
-            raise ValueError(f"vocab_range must start at 0 without tensor parallelism, got "
-                             f"({start}, {stop})")
-        return stop
-    key = (id(group), start, stop)
-    if key in _vocab_of_ranges:
-        return _vocab_of_ranges[key]
-    if capturing() or compiling():
-        raise RuntimeError("vocab_range: call once eagerly with this range before capturing or "
-                           "compiling (the ranks' ranges are checked with a collective)")
-    mine = torch.tensor([start, stop], dtype=torch.int64, device=device)
-    ranges = torch.empty(2 * n, dtype=torch.int64, device=device)
-    _all_gather(ranges, mine, group=group)
-    pairs = ranges.view(n, 2).tolist()
-    expected = 0
-    for lo, hi in pairs:
-        if lo != expected:
-            raise ValueError(f"vocab_range of the ranks must tile [0, V) in rank order, got {pairs}")
-        expected = hi
-    _vocab_of_ranges[key] = expected
-    return expected

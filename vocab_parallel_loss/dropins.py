@@ -49,10 +49,12 @@ def parallel_cross_entropy(
     if inp is None or target is None:
         raise ValueError("parallel_cross_entropy needs `inp` and `target`")
     try:
-        contract.check_options(label_smoothing, ignore_idx, "none", z_loss_weight)
+        contract.check_options(label_smoothing, ignore_idx, "none", z_loss_weight,
+                               dist_process_group)
     except (TypeError, ValueError) as err:  # the arguments named as TransformerEngine names them
         raise type(err)(str(err).replace("z_loss", "z_loss_weight")
-                        .replace("ignore_index", "ignore_idx")) from None
+                        .replace("ignore_index", "ignore_idx")
+                        .replace("tp_group", "dist_process_group")) from None
     options = dict(tp_group=dist_process_group, label_smoothing=label_smoothing,
                    ignore_index=ignore_idx, z_loss=z_loss_weight)
     if overwrite_input:

@@ -152,10 +152,18 @@ def token_logprobs(
     ``softmax(logits / temperature)`` over the full vocabulary, from this rank's vocabulary shard.
 
     ``logits`` is ``(..., V_local)`` with any strides; ``target`` its leading shape (any integer
-    dtype). ``temperature``: a float > 0 or a float tensor of ``target``'s shape (not
-    differentiated). ``vocab_range=(start, stop)``: this rank's columns hold global ids
+    dtype). ``temperature``: a float > 0 (else ``ValueError``) or a float tensor of ``target``'s
+    shape, or of one element (not differentiated). A tensor's values are not read on the host:
+    a token whose temperature is not finite and > 0 (in the compute dtype) gets a NaN log-prob
+    and entropy, and a NaN gradient wherever either is differentiated; its argmax, which no
+    temperature > 0 moves, is still given. ``vocab_range=(start, stop)``: this rank's columns hold global ids
     ``[start, start + V_local)``, of which ``[start, stop)`` are vocabulary and the rest padding
     (ranks may hold different counts); by default rank ``r`` holds ``[r V_local, (r+1) V_local)``.
+    The ranks' ranges must tile ``[0, V)`` in rank order; they travel with the statistics' one
+    all-gather (a group may take other ranges, or another vocabulary, from call to call). Ranges
+    that do not tile, or leave a rank's columns, raise ``ValueError`` on every rank that has not
+    used its own range on this group before, and give NaN outputs on the others (as unequal
+    widths do without ``vocab_range``, ``communication.check_shapes``).
     Returns ``TokenLogprobs(log_probs, entropy, argmax)`` shaped like ``target``: fp32 (float64
     for float64 logits), ``entropy``/``argmax`` None unless asked for. Ignored tokens get 0
     (argmax is still given); a target outside the vocabulary gets a NaN log-prob. Both float
@@ -189,9 +197,16 @@ def linear_token_logprobs(
     engine of ``linear_cross_entropy``), PyTorch one fp32 column chunk at a time.
 
     ``hidden`` is ``(..., H)``; with ``sequence_parallel=True`` this rank's shard of dim 0
-    (Megatron's ``[s/tp, b, h]``), gathered over ``tp_group`` inside, its gradient
-    reduce-scattered back. ``weight`` is this rank's ``(V_local, H)`` rows, ``target`` has the
-    (gathered) leading shape of ``hidden``. ``softcap`` applies ``softcap * tanh(y / softcap)``.
+    (Megatron's ``[s/tp, b, h]``): ``target.shape[0] // tp`` rows, gathered over ``tp_group``
+    inside, its gradient reduce-scattered back. A ``target`` whose dim 0 the group size does not
+    divide raises ``ValueError``; a rank holding other rows raises it too, with every rank that
+    has not used its own shapes on this group before, and the others get NaN outputs (no rank
+    is left waiting in a collective). ``weight`` is this rank's ``(V_local, H)`` rows,
+    ``target`` has the (gathered) leading shape of ``hidden``, the same on every rank.
+    ``temperature`` as for ``token_logprobs``: a NaN log-prob and entropy where a per-token
+    temperature is not finite and > 0, and a NaN gradient where either is differentiated (the
+    gradient of ``weight`` sums over the tokens: NaN then). ``softcap`` applies
+    ``softcap * tanh(y / softcap)``.
     The gradient of ``weight`` (and ``bias``) is this rank's slice, rounded once; the gradient of
     ``hidden`` is summed over the group in fp32 and rounded once. ``impl``: ``"triton"``,
     ``"torch"`` or ``"auto"``. ``memory_budget``: bytes of extra device memory the Triton path

@@ -38,7 +38,8 @@ class VocabParallelCrossEntropy(_SharesGroup, nn.Module):
     def __init__(self, tp_group=None, *, label_smoothing: float = 0.0, ignore_index: int = -100,
                  reduction: str = "none", z_loss: float = 0.0, inplace_backward: bool = False):
         super().__init__()
-        ignore_index = ce_contract.check_options(label_smoothing, ignore_index, reduction, z_loss)
+        ignore_index = ce_contract.check_options(label_smoothing, ignore_index, reduction, z_loss,
+                                                 tp_group)
         self.tp_group = tp_group
         communication.group_key(tp_group)  # register the group by name before any compiled call
         self.label_smoothing = float(label_smoothing)
@@ -75,7 +76,7 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
         # every option checked here, as linear_cross_entropy checks it, not at the first forward
         self.ignore_index = lce_contract.check_options(
             ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-            memory_budget, gradient_accumulation_fusion)
+            memory_budget, gradient_accumulation_fusion, tp_group)
         self.softcap = softcap
         self.reduction = reduction
         self.shift = shift

@@ -145,6 +145,44 @@ CASES = [
 ]
 
 
+def check_reused_group(*, impl):
+    """One group, call after call with other sequence lengths and vocabulary shards (sequence
+    parallel, then not): each call's loss and gradients against the oracle."""
+    for s, v_local, sp in ((8, 23, True), (4, 17, True), (8, 23, True), (6, 17, False)):
+        check_case(impl=impl, reduction="none", sp=sp, shift=1, s=s, v_local=v_local)
+
+
+def check_compiled_unequal_sequence_shards(*, impl):
+    """torch.compile traces the backward before anything runs: a rank holding one more row of
+    ``e`` than the targets give it must not fail there alone (the others would wait in the
+    gather). Every rank raises on a new group, NaN on a rank that verified its shapes before."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    gen = torch.Generator().manual_seed(77)
+    c = torch.randn(5, 8, generator=gen).to(DEVICE).requires_grad_()
+
+    def outcome(rows):
+        e = torch.randn(rows, 2, 8, generator=gen).to(DEVICE).requires_grad_()
+        t = torch.randint(0, 5 * world, (2 * world, 2), generator=gen).to(DEVICE)
+        torch._dynamo.reset()
+        f = torch.compile(lambda e, c, t: linear_cross_entropy(
+            e, c, t, tp_group=group, sequence_parallel=True, impl=impl, reduction="none",
+            shift=1), backend="aot_eager")
+        try:
+            loss = f(e, c, t)
+        except ValueError as ex:
+            assert "sequence_parallel=True" in str(ex), ex
+            return "raised"
+        return "nan" if bool(torch.isnan(loss).all()) else "value"
+
+    unequal = 2 + (rank == 1)
+    for rows, want in ((unequal, ["raised"] * world), (2, ["value"] * world),
+                       (unequal, ["raised" if r == 1 else "nan" for r in range(world)])):
+        got = [None] * world
+        dist.all_gather_object(got, outcome(rows))
+        assert got == want, f"rows {rows}: outcomes per rank {got}, expected {want}"
+
+
 def case_name(impl, case) -> str:
     return impl + "/" + ",".join(f"{k}={getattr(v, '__name__', v)}".replace("torch.", "")
                                  for k, v in case.items())
@@ -154,9 +192,14 @@ def main() -> int:
     init_process_group()
     torch.manual_seed(0)
     impls = sys.argv[1:] or ["triton", "torch"]
-    run_checks(((case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
-                for impl in impls for case in CASES if impl == "triton" or not case.get("gif")),
-               summary="linear cases passed")
+    cases = [(case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
+             for impl in impls for case in CASES if impl == "triton" or not case.get("gif")]
+    cases += [(f"{impl}/reused group", lambda impl=impl: check_reused_group(impl=impl))
+              for impl in impls]
+    if "torch" in impls:  # dynamo traces the PyTorch backend (the Triton one is a graph break)
+        cases.append(("torch/compiled unequal sequence shards",
+                      lambda: check_compiled_unequal_sequence_shards(impl="torch")))
+    run_checks(cases, summary="linear cases passed")
     dist.barrier()
     end_worker()  # no interpreter finalization: see tests/_torchrun.py
     return 0

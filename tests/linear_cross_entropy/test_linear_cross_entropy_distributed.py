@@ -20,8 +20,9 @@ def check_every_case(results: dict, impls) -> None:
     """Every case passed; also the GPU test's check (test_linear_cross_entropy_gpu.py)."""
     for name in results:
         check_passed(results, name)
-    # 17 cases on Triton; the 2 that form gradients in forward are Triton's only
-    assert len(results) == 17 * len(impls) - 2 * ("torch" in impls)
+    # 17 cases on Triton; the 2 that form gradients in forward are Triton's only; one group
+    # reused with other shapes; unequal sequence shards under torch.compile (PyTorch backend)
+    assert len(results) == 18 * len(impls) - 2 * ("torch" in impls) + ("torch" in impls)
 
 
 @pytest.mark.distributed

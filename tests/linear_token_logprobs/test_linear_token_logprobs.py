@@ -339,3 +339,36 @@ def test_autocast_keeps_the_inputs_precision(plan, region, monkeypatch):
         assert a.dtype == torch.float32, name
         torch.testing.assert_close(a.double(), w, atol=tol * 10 * w.abs().max().item(), rtol=0,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("memory_budget", [None, 0])
+def test_unusable_per_token_temperature_is_nan(impl, memory_budget):
+    # as for token_logprobs: NaN outputs and a NaN gradient of that token's hidden state; the
+    # other tokens exact; the weight's gradient sums over every token, so it is NaN too
+    from tests.token_logprobs.test_token_logprobs import unusable_temperatures
+
+    g = torch.Generator().manual_seed(22)
+    e = torch.randn(3, 5, 8, generator=g, requires_grad=True)
+    c = (torch.randn(41, 8, generator=g) * 0.5).requires_grad_()
+    t = torch.randint(0, 41, (3, 5), generator=g)
+    temp, bad, usable = unusable_temperatures((3, 5), g)
+    t[0, 1] = -100  # temperature 0 on an ignored token: 0, no gradient
+    bad[0, 1] = False
+    out = linear_token_logprobs(e, c, t, temperature=temp, return_entropy=True,
+                                return_argmax=True, memory_budget=memory_budget)
+    z = e.detach().double() @ c.detach().double().t()
+    lp, ent, am = oracle(z, t, usable)
+    assert torch.isnan(out.log_probs[bad]).all() and torch.isnan(out.entropy[bad]).all()
+    assert out.log_probs[0, 1] == 0 and out.entropy[0, 1] == 0
+    torch.testing.assert_close(out.log_probs[~bad].double(), lp[~bad], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy[~bad].double(), ent[~bad], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.argmax, am)
+    g_lp, g_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    de, dc = _grads((out.log_probs, out.entropy), (e, c), g_lp, g_ent)
+    assert torch.isnan(de[bad]).all() and torch.isnan(dc).all()
+    assert torch.all(de[0, 1] == 0)
+    e64, c64 = e.detach().double().requires_grad_(), c.detach().double()
+    lp64, ent64, _ = oracle(e64 @ c64.t(), t, usable)
+    keep = (~bad).double()
+    (want,) = _grads((lp64, ent64), (e64,), g_lp.double() * keep, g_ent.double() * keep)
+    torch.testing.assert_close(de[~bad].double(), want[~bad], atol=1e-4, rtol=0)

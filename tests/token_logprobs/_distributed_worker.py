@@ -169,6 +169,182 @@ def case_hidden(sp, unequal, budget):
     assert torch.all(c_mine.grad[stop - start:] == 0)
 
 
+# ------------------------------------------------- one group, reused: shapes and ranges change
+COLS = 7  # vocabulary columns every rank holds in the cases below
+
+
+def ranges_of(vocab, world):
+    """``(start, stop)`` per rank of a ``vocab``-id vocabulary in shards of ``COLS`` columns."""
+    return [(min(vocab, r * COLS), min(vocab, (r + 1) * COLS)) for r in range(world)]
+
+
+def ranged_call(op, group, vocab, n, seed, ranges=None):
+    """``op`` ("logits" or "hidden") on this rank's ``COLS`` columns with ``vocab_range``; returns
+    the outputs, the inputs' gradient of this rank's columns (or hidden states) and the fp64
+    oracle of the full vocabulary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    start, stop = (ranges or ranges_of(vocab, world))[rank]
+    g = torch.Generator().manual_seed(seed)
+    h = 8
+    e = torch.randn(n, h, generator=g, dtype=torch.float64)
+    c = torch.randn(COLS * world, h, generator=g, dtype=torch.float64)
+    z = e @ c.t()
+    t = torch.randint(0, vocab, (n,), generator=g)
+    temp = torch.rand(n, generator=g, dtype=torch.float64) + 0.5
+    local = min(COLS, max(0, stop - start))  # a wrong range may claim more than the columns
+    if op == "logits":
+        x = torch.full((n, COLS), -1e30)
+        x[:, :local] = z[:, start:start + local].float()
+        leaf = x.to(DEVICE).requires_grad_()
+        out = token_logprobs(leaf, t.to(DEVICE), tp_group=group,
+                             temperature=temp.float().to(DEVICE), return_entropy=True,
+                             return_argmax=True, vocab_range=(start, stop))
+    else:
+        leaf = e.float().to(DEVICE).requires_grad_()
+        out = linear_token_logprobs(leaf, c[rank * COLS:(rank + 1) * COLS].float().to(DEVICE),
+                                    t.to(DEVICE), tp_group=group,
+                                    temperature=temp.float().to(DEVICE), return_entropy=True,
+                                    return_argmax=True, vocab_range=(start, stop))
+    return out, leaf, (z, t, temp, vocab, start, local)
+
+
+def check_ranged(op, group, vocab, n, seed):
+    """The outputs and gradient of ``ranged_call`` against the oracle."""
+    out, leaf, (z, t, temp, vocab, start, local) = ranged_call(op, group, vocab, n, seed)
+    for x in out:
+        same_on_every_rank(x)
+    z64 = z.clone().requires_grad_()
+    lp, ent, am = oracle(z64, t, temp, valid=vocab)
+    close("log_probs", out.log_probs, lp.detach())
+    close("entropy", out.entropy, ent.detach())
+    assert torch.equal(out.argmax.cpu(), am)
+    (out.log_probs.sum() + 0.5 * out.entropy.sum()).backward()
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    if op == "logits":
+        close("dlogits", leaf.grad[:, :local], z64.grad[:, start:start + local])
+        assert torch.all(leaf.grad[:, local:] == 0)
+
+
+def case_reused_group(op):
+    """Ranges (0, 7), (7, 14) [, ...], then a smaller vocabulary on the same group (the last
+    rank's range shorter), then the first again: every rank runs the same collectives and gets
+    the exact values each time, whatever it has seen before."""
+    group = dist.new_group(list(range(dist.get_world_size())))
+    full = COLS * dist.get_world_size()
+    for i, (vocab, n) in enumerate(((full, 5), (full - 3, 4), (full, 5), (full - 3, 3))):
+        check_ranged(op, group, vocab, n, seed=40 + i)
+
+
+def outcome(fn, match):
+    """``"raised"`` (a ValueError whose message holds ``match``), ``"nan"`` (every output NaN)
+    or ``"value"``."""
+    try:
+        out = fn()
+    except ValueError as ex:
+        assert match in str(ex), ex
+        return "raised"
+    nan = bool(torch.isnan(out.log_probs).all()) and bool(torch.isnan(out.entropy).all())
+    return "nan" if nan else "value"
+
+
+def everyone(mine):
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, mine)
+    return seen
+
+
+def case_wrong_ranges(op):
+    """Ranges that do not tile the vocabulary, or leave a rank's columns: a ValueError naming
+    ``vocab_range`` on every rank that has not verified its own range on this group before, NaN
+    on the others; never an abort or a hang."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    full = COLS * world
+    good = ranges_of(full, world)
+    gap = [(a + (r == 1), b) for r, (a, b) in enumerate(good)]  # rank 1 starts one id late
+    past = [(a, b + 2 * (r == 1)) for r, (a, b) in enumerate(good)]  # rank 1 past its columns
+    all_raise = ["raised"] * world
+    only_rank1 = ["raised" if r == 1 else "nan" for r in range(world)]
+
+    def run(ranges, n):
+        return everyone(outcome(lambda: ranged_call(op, group, full, n, 50, ranges)[0],
+                                "vocab_range"))
+
+    for want, ranges, n in ((all_raise, gap, 4), (all_raise, past, 4), (["value"] * world, good, 4),
+                            (only_rank1, gap, 5), (only_rank1, past, 3),
+                            (["value"] * world, good, 3)):
+        got = run(ranges, n)
+        assert got == want, f"ranges {ranges}: outcomes per rank {got}, expected {want}"
+
+
+def case_unequal_sequence_shards():
+    """linear_token_logprobs with sequence_parallel=True, rank 1 holding one more row of the
+    hidden states than the (shared) targets give it: a ValueError on every rank that has not
+    verified its own shapes on this group before, NaN on the others; targets whose dim 0 the
+    group size does not divide: a ValueError on every rank. Never an abort or a hang."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(60)
+    c = torch.randn(COLS, 8, generator=g).to(DEVICE)
+
+    def run(rows, target_rows, match):
+        e = torch.randn(rows, 2, 8, generator=g).to(DEVICE)
+        t = torch.randint(0, COLS * world, (target_rows, 2), generator=g).to(DEVICE)
+        return everyone(outcome(lambda: linear_token_logprobs(
+            e, c, t, tp_group=group, sequence_parallel=True, return_entropy=True), match))
+
+    seq = "sequence_parallel=True"
+    for want, rows, target_rows in (
+            (["raised"] * world, 2 + (rank == 1), 2 * world),
+            (["value"] * world, 2, 2 * world),
+            (["raised" if r == 1 else "nan" for r in range(world)], 2 + (rank == 1), 2 * world),
+            (["raised"] * world, 2, 2 * world + 1)):
+        got = run(rows, target_rows, seq)
+        assert got == want, f"rows {rows}, targets {target_rows}: {got}, expected {want}"
+
+
+def case_compiled_unequal_sequence_shards():
+    """As ``case_unequal_sequence_shards`` under torch.compile, which traces the backward before
+    anything runs: the rank holding other rows must not fail there alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    g = torch.Generator().manual_seed(61)
+    c = torch.randn(COLS, 8, generator=g).to(DEVICE).requires_grad_()
+
+    def run(rows):
+        e = torch.randn(rows, 2, 8, generator=g).to(DEVICE).requires_grad_()
+        t = torch.randint(0, COLS * world, (2 * world, 2), generator=g).to(DEVICE)
+        torch._dynamo.reset()
+        f = torch.compile(lambda e, c, t: linear_token_logprobs(
+            e, c, t, tp_group=group, sequence_parallel=True, return_entropy=True),
+            backend="aot_eager")
+        return everyone(outcome(lambda: f(e, c, t), "sequence_parallel=True"))
+
+    unequal = 2 + (rank == 1)
+    for want, rows in ((["raised"] * world, unequal), (["value"] * world, 2),
+                       (["raised" if r == 1 else "nan" for r in range(world)], unequal)):
+        got = run(rows)
+        assert got == want, f"rows {rows}: {got}, expected {want}"
+
+
+def group_checks(impls):
+    """(name, check) of the cases above, on each backend."""
+    def on(impl, case, *args):
+        def run():
+            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+            case(*args)
+        return run
+
+    for impl in impls:
+        for op in ("logits", "hidden"):
+            yield f"{impl}/groups/reused/{op}", on(impl, case_reused_group, op)
+            yield f"{impl}/groups/wrong ranges/{op}", on(impl, case_wrong_ranges, op)
+        yield f"{impl}/groups/unequal sequence shards", on(impl, case_unequal_sequence_shards)
+    if "torch" in impls:  # dynamo traces the PyTorch backend (the Triton one is a graph break)
+        yield ("torch/groups/compiled unequal sequence shards",
+               on("torch", case_compiled_unequal_sequence_shards))
+
+
 def checks(impls):
     def on(impl, case, *args):
         def run():
@@ -187,6 +363,7 @@ def checks(impls):
                                     (True, True, "recompute"), (False, True, "split")):
             yield (f"{impl}/hidden/sp={sp}/unequal={unequal}/{budget}",
                    on(impl, case_hidden, sp, unequal, budget))
+    yield from group_checks(impls)
 
 
 def main():

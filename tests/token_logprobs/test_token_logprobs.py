@@ -62,6 +62,60 @@ def test_vocab_range_pads_and_out_of_range_is_nan(impl):
     assert torch.all(z.grad[:, 17:] == 0) and torch.all(z.grad[4] == 0)
 
 
+#: per-token temperatures that define no distribution
+UNUSABLE_T = (-0.5, 0.0, float("nan"), float("inf"), -float("inf"), 1e-45)
+
+
+def unusable_temperatures(shape, generator):
+    """A per-token temperature tensor: usable values, with ``UNUSABLE_T`` at the first tokens
+    (flat order); returns it, the mask of the unusable ones and the usable values (1 at them)."""
+    temp = torch.rand(shape, generator=generator) + 0.5
+    bad = torch.zeros(shape, dtype=torch.bool)
+    bad.view(-1)[:len(UNUSABLE_T)] = True
+    temp.view(-1)[:len(UNUSABLE_T)] = torch.tensor(UNUSABLE_T)
+    return temp, bad, torch.where(bad, torch.ones(()), temp)
+
+
+def test_unusable_per_token_temperature_is_nan(impl):
+    # a negative, zero, infinite, NaN (or, in fp32, denormal) temperature: that token's log-prob
+    # and entropy are NaN and its logits' gradient NaN; the other tokens are exact; an ignored
+    # token stays 0 whatever its temperature
+    g = torch.Generator().manual_seed(21)
+    z = (torch.randn(3, 5, 37, generator=g) * 3).requires_grad_()
+    t = torch.randint(0, 37, (3, 5), generator=g)
+    temp, bad, usable = unusable_temperatures((3, 5), g)
+    t[0, 1] = -100  # temperature 0 on an ignored token
+    bad[0, 1] = False
+    out = token_logprobs(z, t, temperature=temp, return_entropy=True, return_argmax=True)
+    lp, ent, am = oracle(z.detach(), t, usable)
+    assert torch.isnan(out.log_probs[bad]).all() and torch.isnan(out.entropy[bad]).all()
+    assert out.log_probs[0, 1] == 0 and out.entropy[0, 1] == 0
+    torch.testing.assert_close(out.log_probs[~bad].double(), lp[~bad], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy[~bad].double(), ent[~bad], atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.argmax, am)  # the temperature does not move the argmax
+    g_lp, g_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    (got,) = _grads((out.log_probs, out.entropy), z, g_lp, g_ent)
+    assert torch.isnan(got[bad]).all() and torch.all(got[0, 1] == 0)
+    z64 = z.detach().double().requires_grad_()
+    lp64, ent64, _ = oracle(z64, t, usable)
+    keep = (~bad).double()
+    (want,) = _grads((lp64, ent64), z64, g_lp.double() * keep, g_ent.double() * keep)
+    torch.testing.assert_close(got[~bad].double(), want[~bad], atol=1e-5, rtol=0)
+    # only the entropy differentiated: still NaN for those tokens
+    out = token_logprobs(z, t, temperature=temp, return_entropy=True)
+    (got,) = torch.autograd.grad(out.entropy.sum(), z)
+    assert torch.isnan(got[bad]).all() and not torch.isnan(got[~bad]).any()
+
+
+@pytest.mark.parametrize("value", UNUSABLE_T[:-1])
+def test_unusable_temperature_scalar_raises_tensor_is_nan(impl, value):
+    z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=value)
+    out = token_logprobs(z, t, temperature=torch.tensor(value), return_entropy=True)
+    assert torch.isnan(out.log_probs).all() and torch.isnan(out.entropy).all()
+
+
 def test_errors_name_the_argument():
     z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="temperature"):
@@ -193,8 +247,8 @@ def test_masked_vocabulary_under_scale_and_softcap(impl, scale, softcap):
     temp = torch.rand(5, generator=g) + 0.5
     x = z.clone().requires_grad_()
     o = contract.options(None, 23, None, -100, scale, softcap,
-                         function.rows_backend(backends.triton_runs(x), x.dtype), x.device)
-    lp, ent, _ = function.from_logits(x, t, contract.inverse_temperature(temp, t, x), o)
+                         function.rows_backend(backends.triton_runs(x), x.dtype))
+    lp, ent, _ = function.from_logits(x, t, *contract.inverse_temperature(temp, t, x), o)
     z64 = z.double().requires_grad_()
     want_lp, want_ent, _ = oracle(z64, t, temp, softcap=softcap, scale=scale)
     torch.testing.assert_close(lp.double(), want_lp.detach(), atol=2e-4, rtol=2e-5)

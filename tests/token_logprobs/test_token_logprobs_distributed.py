@@ -28,13 +28,24 @@ def _passed(results, kind, n, impls=IMPLS):
     assert len(names) == n * len(impls), names
 
 
+def _groups_passed(results, impls) -> int:
+    """Every case on reused groups and wrong shapes passed: reused and wrong ranges on both ops
+    and unequal sequence shards per backend, and under torch.compile on the PyTorch one."""
+    names = [name for name in results if name.split("/")[1] == "groups"]
+    for name in names:
+        check_passed(results, name)
+    assert len(names) == 5 * len(impls) + ("torch" in impls), names
+    return len(names)
+
+
 def check_both_ops(results, impls) -> None:
-    """Every case of both ops passed (the two tests below); the GPU test's check
+    """Every case of both ops passed (the tests below); the GPU test's check
     (test_token_logprobs_gpu.py)."""
     # equal / unequal shards, scalar / per-token temperature; masked vocabulary, large offset
     _passed(results, "logits", 6, impls)
     _passed(results, "hidden", 4, impls)
-    assert len(results) == 10 * len(impls), sorted(results)
+    groups = _groups_passed(results, impls)
+    assert len(results) == 10 * len(impls) + groups, sorted(results)
 
 
 @pytest.mark.distributed
@@ -48,3 +59,12 @@ def test_token_logprobs_matches_full_vocab_oracle(results):
 @pytest.mark.timeout(600)
 def test_linear_token_logprobs_matches_full_vocab_oracle(results):
     _passed(results, "hidden", 4)  # saved, split (SP; unequal), recompute (SP, unequal)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_groups_reused_with_other_ranges_and_wrong_shapes(results):
+    # one group reused with vocabulary ranges that change (every rank runs the same
+    # collectives; exact values each time); ranges that do not tile and unequal sequence shards
+    # raise on every rank that has not verified its own before, NaN on the others
+    _groups_passed(results, IMPLS)

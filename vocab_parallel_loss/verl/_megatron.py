@@ -11,7 +11,8 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
                      context=None, config=None, **_):
     """Return ``{"log_probs": [b, s], "entropy": [b, s]}`` for ``labels`` ``[b, s]``.
 
-    ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0),
+    ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0;
+    ``linear_token_logprobs``' rule: a float <= 0 raises, a tensor's unusable entries give NaN),
     ``ignore_index`` (default -100) and ``memory_budget`` (bytes, ``linear_token_logprobs``'s).
     The hidden states arrive ``[s, b, h]`` (sequence-sharded under sequence parallelism); the
     classifier is the output layer's weight shard (or the shared embedding weight that

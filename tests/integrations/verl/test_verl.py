@@ -32,6 +32,42 @@ def test_verl_signature_and_reductions():
         verl_linear_cross_entropy(h, w, labels, 1.3, "max")
 
 
+def test_verl_temperature_shaped_like_labels():
+    # a [b, s] temperature with [b, s] labels is per token, flattened as the labels are
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(3, 5, 8, generator=g), torch.randn(33, 8, generator=g)
+    labels = torch.randint(0, 33, (3, 5), generator=g)
+    temp = torch.rand(3, 5, generator=g) + 0.5
+    lp, ent = verl_linear_cross_entropy(h, w, labels, temp)
+    want_lp, want_ent, _ = oracle(h.reshape(15, 8).double() @ w.double().t(), labels.reshape(-1),
+                                 temp.reshape(-1).double())
+    torch.testing.assert_close(lp.double(), want_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="temperature"):
+        verl_linear_cross_entropy(h, w, labels, temp.t())
+
+
+def test_verl_unusable_temperature(impl):
+    # a float <= 0 raises naming it; a per-token tensor gives those tokens NaN log-prob and
+    # entropy, the other tokens their values
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
+    labels = torch.randint(0, 33, (9,), generator=g)
+    for value in (-1.0, 0.0):
+        with pytest.raises(ValueError, match="temperature"):
+            verl_linear_cross_entropy(h, w, labels, value)
+    temp = torch.rand(9, generator=g) + 0.5
+    temp[2], temp[5] = -0.7, 0.0
+    lp, ent = verl_linear_cross_entropy(h, w, labels, temp)
+    bad = torch.zeros(9, dtype=torch.bool)
+    bad[[2, 5]] = True
+    want_lp, want_ent, _ = oracle(h.double() @ w.double().t(), labels,
+                                 torch.where(bad, 1.0, temp))
+    assert torch.isnan(lp[bad]).all() and torch.isnan(ent[bad]).all()
+    torch.testing.assert_close(lp[~bad].double(), want_lp[~bad], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[~bad].double(), want_ent[~bad], atol=1e-5, rtol=1e-5)
+
+
 def test_megatron_output_processor_passes_its_context(monkeypatch):
     # the context's temperature ([b, s] -> the hidden states' [s, b]), ignore index and memory
     # budget reach linear_token_logprobs; the outputs come back [b, s]

@@ -31,19 +31,21 @@ class LossOptions(NamedTuple):
     z_loss: float
 
 
-def check_options(label_smoothing, ignore_index, reduction, z_loss) -> int:
+def check_options(label_smoothing, ignore_index, reduction, z_loss, tp_group=None) -> int:
     """The tensor-free options; returns ``ignore_index`` as an int."""
+    checks.check_group(tp_group)
     checks.check_smoothing(label_smoothing)
     checks.check_reduction(reduction)
     checks.check_z_loss(z_loss)
     return checks.check_ignore_index(ignore_index)
 
 
-def check(logits, target, label_smoothing, reduction, z_loss, ignore_index=-100) -> None:
+def check(logits, target, label_smoothing, reduction, z_loss, ignore_index=-100,
+          tp_group=None) -> None:
     """Every argument of one call: raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_float("logits", logits)
     checks.check_target_dtype(target)
-    check_options(label_smoothing, ignore_index, reduction, z_loss)
+    check_options(label_smoothing, ignore_index, reduction, z_loss, tp_group)
     shape = logits.shape
     if not shape or shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty vocabulary dim, got shape {tuple(shape)}")

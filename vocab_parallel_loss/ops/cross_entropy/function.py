@@ -60,7 +60,7 @@ _MAX_PLANS = 512  # past it new signatures are checked on every call (never expe
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
                inplace_backward) -> _Plan:
     """Check the arguments; returns the plan of their call signature."""
-    contract.check(logits, target, label_smoothing, reduction, z_loss, ignore_index)
+    contract.check(logits, target, label_smoothing, reduction, z_loss, ignore_index, tp_group)
     # equal vocabulary shards are checked on every forward, from the statistics' all-gather
     # (communication.check_shapes)
     opts = loss_options(tp_group, logits.shape[-1], int(ignore_index), float(label_smoothing),
@@ -198,7 +198,8 @@ def loss(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_l
         target = checks.widened_target(target, ignore_index)
     if compiling():
         # registered torch.library ops: traced by torch.compile, no graph break
-        contract.check(logits, target, label_smoothing, reduction, z_loss, ignore_index)
+        contract.check(logits, target, label_smoothing, reduction, z_loss, ignore_index,
+                       tp_group)
         if check_targets is None:  # the switch is read when the call is traced
             check_targets = settings.flag(settings.CHECK_TARGETS, False)
         return compiled.cross_entropy_ops(logits, target, tp_group, int(ignore_index),

@@ -37,8 +37,9 @@ class LinearLossOptions:
 
 
 def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion) -> int:
+                  memory_budget, gradient_accumulation_fusion, tp_group=None) -> int:
     """The tensor-free options; returns ``ignore_index`` as an int."""
+    checks.check_group(tp_group)
     checks.check_reduction(reduction)
     checks.check_smoothing(label_smoothing)
     checks.check_z_loss(z_loss)
@@ -60,7 +61,7 @@ def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
     checks.check_float("c", c)
     checks.check_target_dtype(targets, "targets")
     check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion)
+                  memory_budget, gradient_accumulation_fusion, group)
     if e.dim() < 2:
         raise ValueError(f"e must be (..., H) with at least one leading dim, got shape {tuple(e.shape)}")
     if c.dim() != 2:

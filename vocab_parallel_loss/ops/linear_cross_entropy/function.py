@@ -75,8 +75,7 @@ def _merge(stats: torch.Tensor, v_local: int, o: "LinearLossOptions", shapes: tu
     n = stats.shape[1]
     send = stats.new_zeros(communication.stats_size(4, n))
     send[:4 * n].view(4, n).copy_(stats)
-    for i, v in enumerate(shapes[:2]):  # no host-to-device copy: it would sync
-        send[4 * n + i].fill_(v)
+    communication.put_shapes(send, 4, n, shapes[:2])
     gathered = communication.gather_stats(send, o.group)
     m, s, x_t, d = merge_stats(communication.gathered_stats(gathered, 4, n), v_local)
     agree = communication.shapes_agree(communication.gathered_shapes(gathered, 4, n), shapes)
@@ -213,7 +212,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de32 = (_unshifted(de32, full_shape, shifted_shape, de32.dtype, o.seq_dim)
                         if o.shift else de32.view(full_shape))
                 if o.sequence_parallel:
-                    de32 = communication.reduce_scatter_along_first_dim(de32, o.group)
+                    de32 = communication.reduce_scatter_along_first_dim(de32, o.group,
+                                                                        e.shape)
                 de = de32.to(e.dtype)
         if db is not None:
             db = db.to(bias.dtype)

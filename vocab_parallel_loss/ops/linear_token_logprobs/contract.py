@@ -9,8 +9,9 @@ from ... import checks
 
 
 def check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-          gradient_accumulation_fusion) -> None:
+          gradient_accumulation_fusion, tp_group) -> None:
     """Raises ``TypeError``/``ValueError`` naming the argument."""
+    checks.check_group(tp_group)
     checks.check_float("hidden", hidden)
     checks.check_float("weight", weight)
     checks.check_impl(impl)
@@ -27,3 +28,18 @@ def check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
         raise ValueError(f"logit_scale must be a finite non-zero float, got {logit_scale}")
     checks.check_memory_budget(memory_budget)
     checks.check_main_grad(weight, gradient_accumulation_fusion, "weight")
+
+
+def sequence_rows(target, world: int):
+    """Under sequence parallelism, the rows of the hidden states each rank sends to the gather:
+    the targets' dim 0 (the same on every rank) over the group size, never a rank's own rows, so
+    that every rank's collectives pair up; a rank holding other rows sends placeholder rows and
+    every rank compares the rows with the statistics (``communication.check_shapes``). None
+    for targets without dims (refused with the leading dims)."""
+    shape = tuple(getattr(target, "shape", ()))
+    if not shape:
+        return None
+    if shape[0] % world:
+        raise ValueError(f"sequence_parallel=True: dim 0 of target {shape} is not divisible by "
+                         f"the tensor-parallel group size {world}")
+    return shape[0] // world

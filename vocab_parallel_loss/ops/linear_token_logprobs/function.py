@@ -40,10 +40,12 @@ from ..fused_linear.strategy import Strategy, choose_strategy
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, t, inv_t, o: LogprobOptions, sequence_parallel: bool, plan):
+    def forward(ctx, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequence_parallel: bool,
+                plan):
         ctx.set_materialize_grads(False)
         K, st, need_argmax, main_grad = plan
-        full = communication.gather_along_first_dim(e, o.group) if sequence_parallel else e
+        full = (communication.gather_along_first_dim(e, o.group, o.sequence_rows)
+                if sequence_parallel else e)
         e2 = full.reshape(-1, full.shape[-1])
         n, v = e2.shape[0], o.valid
         if n == 0 or v == 0:  # no rows, or a rank of padding only: the merge's neutral element
@@ -57,9 +59,9 @@ class _LinearLogprobs(torch.autograd.Function):
             stats, saved = forward_columns(K, e2, c[:v], None if bias is None else bias[:v], t,
                                            o.col_start, o.softcap, False, keep,
                                            LogprobArgs(inv_t, o.scale, need_argmax))
-        logp, ent, lse, col, ignored, bad, _ = finish(stats, t, o)
+        logp, ent, lse, col, ignored, bad, bad_ent, _ = finish(stats, t, o, bad_t)
         kept = () if saved is None else (saved.u, saved.tile_max, stats[3])
-        ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad, *kept)
+        ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad, bad_ent, *kept)
         ctx.o, ctx.sp, ctx.plan = o, sequence_parallel, plan
         ctx.tile_v = None if saved is None else saved.block_v
         ctx.mark_non_differentiable(col)
@@ -70,18 +72,18 @@ class _LinearLogprobs(torch.autograd.Function):
         if torch.is_grad_enabled():  # create_graph=True
             refuse_double_backward("linear_token_logprobs")
         refuse_if_consumed(ctx, "linear_token_logprobs")
-        e, c, bias, t, inv_t, lse, ent, ignored, bad, *kept = ctx.saved_tensors
+        e, c, bias, t, inv_t, lse, ent, ignored, bad, bad_ent, *kept = ctx.saved_tensors
         o: LogprobOptions = ctx.o
         K, st, _, main_grad = ctx.plan
         need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
-            return None, None, None, None, None, None, None, None
-        full = communication.gather_along_first_dim(e, o.group) if ctx.sp else e
+            return None, None, None, None, None, None, None, None, None
+        full = communication.gather_along_first_dim(e, o.group, o.sequence_rows) if ctx.sp else e
         e2 = full.reshape(-1, full.shape[-1])
         n, v = e2.shape[0], o.valid
         g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
-        g_ent = upstream_grad(g_ent, n, lse, ignored)
+        g_ent = upstream_grad(g_ent, n, lse, ignored, bad_ent)
         zero = torch.zeros_like(lse)
         x_t = kept[2].to(lse.dtype) if kept else zero
         coef = torch.stack([lse, -(g_lp + g_ent * ent), -g_lp, zero, x_t, -g_ent])
@@ -114,10 +116,10 @@ class _LinearLogprobs(torch.autograd.Function):
                 de = torch.zeros(e2.shape, dtype=acc, device=e.device)
             de_out = hidden_grad(de, full.shape, e, o.group, ctx.sp)
         return (de_out, dc, None if db is None else db.to(bias.dtype), None, None, None, None,
-                None)
+                None, None)
 
 
-def from_hidden(backend, e, c, bias, t, inv_t, o: LogprobOptions, sequence_parallel: bool,
+def from_hidden(backend, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequence_parallel: bool,
                 need_argmax: bool, memory_budget=None, main_grad: bool = False):
     """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows on
     ``backend`` (a graph break under torch.compile unless it is ``TRACEABLE``); with
@@ -125,7 +127,7 @@ def from_hidden(backend, e, c, bias, t, inv_t, o: LogprobOptions, sequence_paral
     st: Strategy = choose_strategy(backend, e, c, bias, "none", sequence_parallel, o.group,
                                    o.softcap, 0.0, memory_budget, main_grad)
     plan = (backend, st, need_argmax, main_grad)
-    args = (e, c, bias, t, inv_t, o, sequence_parallel, plan)
+    args = (e, c, bias, t, inv_t, bad_t, o, sequence_parallel, plan)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
         return _LinearLogprobs.apply(*args)
     return untraced(_LinearLogprobs.apply, *args)
@@ -137,18 +139,21 @@ def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperat
     """``functional.linear_token_logprobs`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-                   gradient_accumulation_fusion)
+                   gradient_accumulation_fusion, tp_group)
     world = communication.world_size(tp_group)
     sp = bool(sequence_parallel) and world > 1
     lead = list(hidden.shape[:-1])
-    if sp:
-        lead[0] *= world
+    seq_rows = (0, 0)
+    rows = contract.sequence_rows(target, world) if sp else None
+    if rows is not None:
+        lead[0] = rows * world
+        seq_rows = (hidden.shape[0], rows)
     t = logprob_contract.flat_targets(target, torch.Size(lead), hidden.device)
     backend = backends.linear_backend(impl, hidden)
     o = logprob_contract.options(tp_group, weight.shape[0], vocab_range, ignore_index,
                                  float(logit_scale), None if softcap is None else float(softcap),
-                                 None, hidden.device)  # no row backend: the engine's stats
-    inv_t = logprob_contract.inverse_temperature(temperature, target, hidden)
-    lp, ent, col = from_hidden(backend, hidden, weight, bias, t, inv_t, o, sp,
+                                 None, seq_rows)  # no row backend: the engine's stats
+    inv_t, bad_t = logprob_contract.inverse_temperature(temperature, target, hidden)
+    lp, ent, col = from_hidden(backend, hidden, weight, bias, t, inv_t, bad_t, o, sp,
                                bool(return_argmax), memory_budget, gradient_accumulation_fusion)
     return logprob_contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)

@@ -27,14 +27,23 @@ class LogprobOptions(NamedTuple):
     col_start: int  # global id of this rank's first column
     valid: int  # columns of this rank that are vocabulary (the rest is padding)
     ignore_index: int
-    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs)
+    vocab_size: int  # global vocabulary (targets outside it give NaN log-probs); with tensor
+    # parallelism 0: the ranks' ranges give it, from the statistics' all-gather
     scale: float
     softcap: Optional[float]
     rows: object  # the row backend (``backends.RowsBackend``); None from hidden states
-    width: int  # columns every rank must hold (checked with the gather); 0: ranges differ
+    shapes: tuple  # this rank's shapes, gathered with the statistics and checked there
+    # (``communication.SHAPE_SLOTS``): columns, rows of e and the rows the targets give it
+    # (sequence parallel, else 0, 0), the ids (start, stop) its columns hold
+
+    @property
+    def sequence_rows(self) -> int:
+        """Rows of the hidden states every rank sends to the sequence-parallel gather."""
+        return self.shapes[2]
 
 
-def check(logits) -> None:
+def check(logits, tp_group) -> None:
+    checks.check_group(tp_group)
     checks.check_float("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have a non-empty vocabulary dim, got {tuple(logits.shape)}")
@@ -54,43 +63,52 @@ def flat_targets(target, lead, device) -> torch.Tensor:
 
 
 def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
-            device) -> LogprobOptions:
-    """The options of this rank's ``v_local`` columns; ``vocab_range`` checked (and, when given,
-    the global vocabulary gathered from every rank's range)."""
+            seq_rows=(0, 0)) -> LogprobOptions:
+    """The options of this rank's ``v_local`` columns. ``vocab_range`` is checked here only
+    without tensor parallelism; with it, the ranks' ranges travel with the statistics and are
+    checked there on every rank (``communication.check_shapes``), so that a rank whose range
+    is wrong does not raise alone while the others wait in the all-gather. ``seq_rows``: this
+    rank's rows of the hidden states and the rows the targets give it (sequence parallel)."""
     if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     world = communication.world_size(group)
-    if vocab_range is None:  # equal shards, checked with the statistics' all-gather
-        start, valid, vocab = communication.rank(group) * v_local, v_local, world * v_local
+    if vocab_range is None:  # equal shards
+        start = communication.rank(group) * v_local
+        stop = start + v_local
     else:
         start, stop = (int(x) for x in vocab_range)
-        if not 0 <= start <= stop <= start + v_local:
-            raise ValueError(f"vocab_range must be (start, stop) with 0 <= start <= stop <= start"
-                             f" + V_local ({v_local}), got {tuple(vocab_range)}")
-        start, valid = start, stop - start
-        vocab = communication.vocab_size_of_ranges(start, stop, group, device)
-    return LogprobOptions(group, start, valid, int(ignore_index), vocab, scale, softcap, rows,
-                          0 if vocab_range is not None else v_local)
+        if world == 1 and not 0 == start <= stop <= v_local:
+            raise ValueError(f"vocab_range must be (0, stop) with stop <= V_local ({v_local}) "
+                             f"without tensor parallelism, got {tuple(vocab_range)}")
+    valid = min(max(stop - start, 0), v_local)  # a wrong range reads no column past the shard
+    return LogprobOptions(group, start, valid, int(ignore_index), stop if world == 1 else 0,
+                          scale, softcap, rows, (v_local, *seq_rows, start, stop))
 
 
-def inverse_temperature(temperature, target, like) -> torch.Tensor:
-    """``1 / temperature`` on ``like``'s device: one element, or one per token."""
+def inverse_temperature(temperature, target, like):
+    """``(1 / temperature, unusable)`` on ``like``'s device: one element, or one per token.
+
+    A float must be finite and > 0 (``ValueError``). A tensor's values cannot be checked without
+    a host sync: ``unusable`` marks its elements that are not (NaN, inf, zero or negative, also
+    once cast to the compute dtype), whose tokens get NaN outputs (``finish``); the kernels see
+    1 there instead. ``unusable`` is None for a float."""
     dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
     if isinstance(temperature, torch.Tensor):
         if temperature.requires_grad and torch.is_grad_enabled():
             raise ValueError("temperature is not differentiated: pass it detached")
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
-        if temperature.numel() == 1 and temperature.dim() == 0:
-            return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(1)
-        if tuple(temperature.shape) != tuple(target.shape):
-            raise ValueError(f"a temperature tensor must have the target's shape "
-                             f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
-        return (1.0 / temperature.to(device=like.device, dtype=dtype)).reshape(-1).contiguous()
+        if temperature.numel() != 1 or temperature.dim() != 0:
+            if tuple(temperature.shape) != tuple(target.shape):
+                raise ValueError(f"a temperature tensor must have the target's shape "
+                                 f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
+        inv = 1.0 / temperature.to(device=like.device, dtype=dtype).reshape(-1)
+        usable = torch.isfinite(inv) & (inv > 0)
+        return torch.where(usable, inv, torch.ones((), dtype=dtype, device=like.device)), ~usable
     value = float(temperature)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
-    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device)
+    return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device), None
 
 
 def shaped(lp, ent, col, shape, return_entropy, return_argmax) -> TokenLogprobs:
