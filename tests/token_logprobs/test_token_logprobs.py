@@ -132,6 +132,17 @@ def test_float_temperature_whose_inverse_overflows_raises(impl, value):
         torch.testing.assert_close(out.entropy, ent, atol=1e-12, rtol=1e-12)
 
 
+def test_shard_of_padding_only(impl):
+    # vocab_range with no vocabulary id here (a TP rank holding only padding; without TP every
+    # target is then ignored or out of range): the merge's neutral statistics, no error
+    z = torch.randn(3, 5, requires_grad=True)
+    t = torch.tensor([-100, 0, -100])
+    out = token_logprobs(z, t, vocab_range=(0, 0), return_entropy=True)
+    assert out.log_probs[0] == 0 and out.log_probs[2] == 0 and torch.isnan(out.log_probs[1])
+    (out.log_probs[[0, 2]].sum() + out.entropy[[0, 2]].sum()).backward()
+    assert torch.all(z.grad == 0)
+
+
 def test_errors_name_the_argument():
     z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="temperature"):
