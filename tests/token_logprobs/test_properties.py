@@ -2,12 +2,15 @@
 other: -inf logits (random columns, strided columns and whole blocks of the row kernels, a row
 but its target, targets on masked columns, padding past ``vocab_range``), per-token temperatures
 from 2^-99 to 2^99 and unusable ones (NaN for their tokens only), and logits near a large
-offset as precise as PyTorch's fp32 log-softmax.
+offset as precise as PyTorch's fp32 log-softmax. Under tensor parallelism (torchrun): one group
+through a random sequence of calls of all four ops, with shapes and vocabulary ranges that change.
 
-Tensor parallelism is covered by test_token_logprobs_distributed.py (torchrun).
+The other TP cases are in test_token_logprobs_distributed.py.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 from tests._logprobs_oracle import logprob_grads, oracle
 from tests._masks import PATTERNS, row_mask
+from tests._torchrun import check_passed, torchrun_results, triton_runs_here
 from tests.cross_entropy.test_properties import BACKENDS, forced
 from vocab_parallel_loss import token_logprobs
 
@@ -284,3 +288,21 @@ def test_large_offset_keeps_fp32_precision(rows, vocab, offset, spread, temps, u
         torch.testing.assert_close(a[0], b[0], **tol)
         torch.testing.assert_close(a[1], b[1], **tol)
         _assert_rows_close(a[3].double(), b[3].double(), 1e-5, "backends' gradients", size)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_one_tp_group_through_a_random_sequence_of_calls(tmp_path):
+    """One TP group (torchrun, 2 ranks, gloo) through a seeded random sequence of calls of all
+    four ops, both backends (``tests/_group_sequence_worker.py``): shapes from small pools, so
+    that they recur and change, and ``vocab_range`` counts that change per rank (some ranks'
+    ranges recur while others' do not; a rank may hold only padding). Every call: the same
+    outputs on every rank, the oracle's values and gradients; never a rank failing alone or a
+    collective that does not pair up."""
+    worker = Path(__file__).resolve().parents[1] / "_group_sequence_worker.py"
+    impls = "triton,torch" if triton_runs_here() else "torch"
+    seeds, calls = (0, 1), 25
+    results = torchrun_results(worker, 2, ",".join(map(str, seeds)), str(calls), impls,
+                               results=tmp_path / "results.json", timeout=600)
+    for seed in seeds:
+        assert check_passed(results, f"seed={seed}")["calls"] == calls
