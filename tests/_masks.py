@@ -31,9 +31,7 @@ def row_mask(target, vocab, patterns, g, block, vec=1, density=0.5):
         k = int(torch.randint(0, -(-vocab // block), (1,), generator=g))
         mask[:, k * block:(k + 1) * block] = True
     kept = (target >= 0).nonzero()[:, 0]
-    rows_ = torch.arange(rows)
-    keep_t = target.clamp(min=0)
-    mask[rows_[target >= 0], keep_t[target >= 0]] = False
+    mask[kept, target[kept]] = False
     if "all_but_target" in patterns and kept.numel():
         r = int(kept[0])
         mask[r] = True
