@@ -12,6 +12,8 @@ The losses only need a few collectives:
 
 from __future__ import annotations
 
+import atexit
+import weakref
 from typing import Optional
 
 import torch
@@ -39,7 +41,9 @@ def rank(group: ProcessGroup) -> int:
     return dist.get_rank(group)
 
 
-_groups_by_key: dict = {}
+# Weak: a process group the user destroyed must not live on here until the interpreter's
+# teardown, where gloo's worker threads abort the process as its destructor runs.
+_groups_by_key: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 def group_key(group: ProcessGroup) -> str:

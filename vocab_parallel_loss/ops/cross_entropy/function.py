@@ -16,6 +16,8 @@ it: a gradient written over the logits in forward would be read by any later use
 
 from __future__ import annotations
 
+import atexit
+
 from typing import NamedTuple, Optional
 
 import torch
@@ -55,6 +57,9 @@ class _Plan(NamedTuple):
 
 _plans: dict = {}
 _MAX_PLANS = 512  # past it new signatures are checked on every call (never expected)
+# The plans hold the process groups they were made for: let them go while the interpreter is
+# whole, not in its teardown, where destroying a gloo group's worker threads aborts the process.
+atexit.register(_plans.clear)
 
 
 def _make_plan(logits, target, tp_group, label_smoothing, ignore_index, reduction, z_loss,
