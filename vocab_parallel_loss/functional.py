@@ -152,8 +152,9 @@ def token_logprobs(
     ``softmax(logits / temperature)`` over the full vocabulary, from this rank's vocabulary shard.
 
     ``logits`` is ``(..., V_local)`` with any strides; ``target`` its leading shape (any integer
-    dtype). ``temperature``: a float > 0 (else ``ValueError``) or a float tensor of ``target``'s
-    shape, or of one element (not differentiated). A tensor's values are not read on the host:
+    dtype). ``temperature``: a float > 0 whose inverse is finite in the compute dtype (else
+    ``ValueError``) or a float tensor of ``target``'s shape, or of one element (not
+    differentiated). A tensor's values are not read on the host:
     a token whose temperature is not finite and > 0 (in the compute dtype) gets a NaN log-prob
     and entropy, and a NaN gradient wherever either is differentiated; its argmax, which no
     temperature > 0 moves, is still given. ``vocab_range=(start, stop)``: this rank's columns hold global ids

@@ -372,3 +372,32 @@ def test_unusable_per_token_temperature_is_nan(impl, memory_budget):
     keep = (~bad).double()
     (want,) = _grads((lp64, ent64), (e64,), g_lp.double() * keep, g_ent.double() * keep)
     torch.testing.assert_close(de[~bad].double(), want[~bad], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("return_entropy", [False, True])
+@pytest.mark.parametrize("memory_budget", [None, 0])
+def test_unusable_temperature_not_differentiated_leaves_gradients_finite(impl, memory_budget,
+                                                                          return_entropy):
+    # a token whose temperature is unusable, left out of the loss (its upstream gradients 0):
+    # every gradient is the other tokens' own, as for token_logprobs, not NaN
+    g = torch.Generator().manual_seed(23)
+    e = torch.randn(6, 8, generator=g, requires_grad=True)
+    c = (torch.randn(41, 8, generator=g) * 0.5).requires_grad_()
+    b = torch.randn(41, generator=g, requires_grad=True)
+    t = torch.randint(0, 41, (6,), generator=g)
+    temp = torch.tensor([1.0, 0.0, 0.7, float("nan"), 1.3, -1.0])
+    keep = torch.isfinite(temp) & (temp > 0)
+    out = linear_token_logprobs(e, c, t, b, temperature=temp, return_entropy=return_entropy,
+                                memory_budget=memory_budget)
+    loss = torch.where(keep, out.log_probs, 0.0).sum()
+    if return_entropy:
+        loss = loss + torch.where(keep, out.entropy, 0.0).sum()
+    got = torch.autograd.grad(loss, (e, c, b))
+    ins64 = [x.detach().double().requires_grad_() for x in (e, c, b)]
+    lp, ent, _ = oracle(ins64[0] @ ins64[1].t() + ins64[2], t, torch.where(keep, temp, 1.0))
+    w = keep.double()
+    want = _grads((lp, ent), ins64, w, w * return_entropy)
+    for name, a, w in zip(("hidden", "weight", "bias"), got, want):
+        assert torch.isfinite(a).all(), name
+        torch.testing.assert_close(a.double(), w, atol=1e-5 * w.abs().max().item(), rtol=0,
+                                   msg=lambda m: f"{name}: {m}")

@@ -116,6 +116,33 @@ def test_unusable_temperature_scalar_raises_tensor_is_nan(impl, value):
     assert torch.isnan(out.log_probs).all() and torch.isnan(out.entropy).all()
 
 
+@pytest.mark.parametrize("value", [1e-39, 1e-45, 5e-324])
+def test_float_temperature_whose_inverse_overflows_raises(impl, value):
+    # > 0 and finite, but 1 / T is not finite in fp32: unusable, as in a tensor (where the
+    # token's outputs are NaN); in float64 it is usable down to the double's own denormals
+    z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(z, t, temperature=value)
+    out = token_logprobs(z, t, temperature=torch.tensor([value] * 3), return_entropy=True)
+    assert torch.isnan(out.log_probs).all() and torch.isnan(out.entropy).all()
+    if value > 1e-300:
+        out = token_logprobs(z.double(), t, temperature=value, return_entropy=True)
+        lp, ent, _ = oracle(z.double(), t, value)
+        torch.testing.assert_close(out.log_probs, lp, atol=0, rtol=1e-12)
+        torch.testing.assert_close(out.entropy, ent, atol=1e-12, rtol=1e-12)
+
+
+def test_shard_of_padding_only(impl):
+    # vocab_range with no vocabulary id here (a TP rank holding only padding; without TP every
+    # target is then ignored or out of range): the merge's neutral statistics, no error
+    z = torch.randn(3, 5, requires_grad=True)
+    t = torch.tensor([-100, 0, -100])
+    out = token_logprobs(z, t, vocab_range=(0, 0), return_entropy=True)
+    assert out.log_probs[0] == 0 and out.log_probs[2] == 0 and torch.isnan(out.log_probs[1])
+    (out.log_probs[[0, 2]].sum() + out.entropy[[0, 2]].sum()).backward()
+    assert torch.all(z.grad == 0)
+
+
 def test_errors_name_the_argument():
     z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="temperature"):

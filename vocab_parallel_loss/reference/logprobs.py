@@ -29,6 +29,11 @@ def _inv_t_rows(inv_t, lo, hi, dtype):
 
 
 def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap, out):
+    if valid == 0:  # a shard of padding only: the merge's neutral element, as the kernel writes
+        out[0] = float("-inf")
+        out[1:4] = 0.0
+        out[4] = col_start
+        return
     t = target.long()
     for lo, hi, block in row_blocks(view):
         dtype = torch.float64 if block.dtype == torch.float64 else torch.float32

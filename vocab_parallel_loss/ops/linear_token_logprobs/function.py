@@ -85,6 +85,10 @@ class _LinearLogprobs(torch.autograd.Function):
         g_lp = upstream_grad(g_lp, n, lse, ignored, bad)
         g_ent = upstream_grad(g_ent, n, lse, ignored, bad_ent)
         zero = torch.zeros_like(lse)
+        if bad_ent is not None:
+            # the NaN entropy of an unusable temperature must not reach the coefficient through
+            # g_ent = 0 (its output not differentiated): a differentiated one has g_ent NaN
+            ent = torch.where(bad_ent, zero, ent)
         x_t = kept[2].to(lse.dtype) if kept else zero
         coef = torch.stack([lse, -(g_lp + g_ent * ent), -g_lp, zero, x_t, -g_ent])
         home = main_grad_home(c, main_grad, need_c)  # dC added there (padding: nothing)

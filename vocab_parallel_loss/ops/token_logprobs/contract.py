@@ -88,7 +88,8 @@ def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
 def inverse_temperature(temperature, target, like):
     """``(1 / temperature, unusable)`` on ``like``'s device: one element, or one per token.
 
-    A float must be finite and > 0 (``ValueError``). A tensor's values cannot be checked without
+    A float must be finite and > 0, and its inverse finite in the compute dtype
+    (``ValueError``). A tensor's values cannot be checked without
     a host sync: ``unusable`` marks its elements that are not (NaN, inf, zero or negative, also
     once cast to the compute dtype), whose tokens get NaN outputs (``finish``); the kernels see
     1 there instead. ``unusable`` is None for a float."""
@@ -106,8 +107,11 @@ def inverse_temperature(temperature, target, like):
         usable = torch.isfinite(inv) & (inv > 0)
         return torch.where(usable, inv, torch.ones((), dtype=dtype, device=like.device)), ~usable
     value = float(temperature)
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"temperature must be a finite float > 0, got {temperature!r}")
+    # as for a tensor, the inverse must be finite in the compute dtype: 1 / T of a T below
+    # ~2.9e-39 overflows fp32
+    if not (math.isfinite(value) and value > 0 and 1.0 / value <= torch.finfo(dtype).max):
+        raise ValueError(f"temperature must be a finite float > 0 whose inverse is finite in "
+                         f"{dtype}, got {temperature!r}")
     return torch.full((1,), 1.0 / value, dtype=dtype, device=like.device), None
 
 
