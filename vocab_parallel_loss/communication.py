@@ -12,14 +12,13 @@ The losses only need a few collectives:
 
 from __future__ import annotations
 
-import atexit
 import weakref
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .runtime import capturing
+from .runtime import capturing, compiling
 
 ProcessGroup = Optional["dist.ProcessGroup"]
 
@@ -51,7 +50,8 @@ def group_key(group: ProcessGroup) -> str:
     if group is None:
         return ""
     key = getattr(group, "group_name", None) or f"pg-{id(group)}"
-    _groups_by_key[key] = group
+    if not compiling():  # a trace cannot build weak references; group_from_key resolves it
+        _groups_by_key[key] = group
     return key
 
 
