@@ -327,14 +327,16 @@ def case_compiled_unequal_sequence_shards():
         assert got == want, f"rows {rows}: {got}, expected {want}"
 
 
+def on(impl, case, *args):
+    """``case(*args)`` run on backend ``impl``."""
+    def run():
+        backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
+        case(*args)
+    return run
+
+
 def group_checks(impls):
     """(name, check) of the cases above, on each backend."""
-    def on(impl, case, *args):
-        def run():
-            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
-            case(*args)
-        return run
-
     for impl in impls:
         for op in ("logits", "hidden"):
             yield f"{impl}/groups/reused/{op}", on(impl, case_reused_group, op)
@@ -346,12 +348,6 @@ def group_checks(impls):
 
 
 def checks(impls):
-    def on(impl, case, *args):
-        def run():
-            backends.triton_runs = (lambda t: True) if impl == "triton" else (lambda t: False)
-            case(*args)
-        return run
-
     for impl in impls:
         for unequal in (False, True):
             for per_token_t in (False, True):
