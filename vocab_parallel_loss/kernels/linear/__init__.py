@@ -8,6 +8,8 @@ functions; the files hold one idea each:
 ``fused.py``   the ``tl.dot`` kernels that recompute logits tiles: forward statistics
                (``forward_stats``) and dlogits with the gradient GEMMs (``backward``), 8NHV
 ``gemm.py``    the gradient GEMMs with fp32 accumulation (cuBLAS or a Triton GEMM)
+``gated.py``   kernels that a device flag leaves out (the exact fallback of the gradients
+               formed in forward for a loss mask)
 ``rounding.py`` an fp32 accumulator, scaled by the upstream gradient, rounded once into the
                output dtype (the gradients formed in forward)
 ``saved.py``   the saved-tiles strategy: the forward saves the logits tiles, backward turns
@@ -24,6 +26,7 @@ from . import config
 from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
 from .fused import backward, forward_split, forward_stats
+from .gated import zero_unless
 from .gemm import gemm_acc, gemm_store
 from .rounding import scaled_round
 from .saved import (SavedTiles, backward_saved, gif_chunk_rows, rows_of,
@@ -40,5 +43,5 @@ __all__ = [
     "backward",
     "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
-    "gif_chunk_rows", "scaled_round",
+    "gif_chunk_rows", "scaled_round", "zero_unless",
 ]

@@ -404,10 +404,15 @@ def _lce_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGPROB: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
+    SKIP, GATED: tl.constexpr,
 ):
     """dz for local columns ``[v_start, v_start + n_cols)`` into ``D[:, :n_cols]``, one program
     per tile. COEF is ``(4, N)`` fp32: lse, gp (softmax weight), gt (one-hot weight), gc
-    (constant); with ``LOGPROB`` ``(6, N)`` (its fifth row unused here, the sixth ``gx``)."""
+    (constant); with ``LOGPROB`` ``(6, N)`` (its fifth row unused here, the sixth ``gx``).
+    With ``GATED`` every program returns at once when ``SKIP[0]`` is nonzero."""
+    if GATED:
+        if tl.load(SKIP) != 0:
+            return
     num_rb = tl.cdiv(N, BLOCK_N)
     num_cb = tl.cdiv(n_cols, BLOCK_V)
     rb, cb = _grouped_tile(tl.program_id(0), num_rb, num_cb, GROUP_N)
@@ -547,7 +552,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
              softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
              config: Optional[LCEConfig] = None, de_acc: Optional[torch.Tensor] = None,
              dc_out: Optional[torch.Tensor] = None, logprob: Optional[LogprobArgs] = None,
-             dc_acc: Optional[torch.Tensor] = None):
+             dc_acc: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None):
     """Gradients of ``sum_n [gp_n * lse_n - gt_n * x_{n,t_n} - gc_n * sum_j x_{n,j}]``.
 
     ``coef (4, N)`` fp32 rows: lse, gp, gt, gc. Returns ``(dE fp32 (N, H) or None,
@@ -557,9 +562,17 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     accumulated in fp32 and rounded once into its dtype. With ``logprob``
     the logits are ``cap(scale z) / T`` and ``coef`` is ``(6, N)``: its sixth row ``gx`` weighs
     ``softmax_j (x_j - lse)`` in dx as well (the entropy's gradient).
+
+    ``skip`` (one int32 element on the device): where it is nonzero every kernel returns at
+    once, leaving ``de_acc`` and ``dc_acc`` as they were and the returned dbias undefined; the
+    GEMMs then run on the Triton GEMM, which reads the flag (``gated.py``). It needs ``de_acc``
+    (when ``need_de``) and ``dc_acc`` (when ``need_dc``): nothing is written that the flag
+    could leave undefined but dbias.
     """
     cfg = config or default_config(e.device)
     N, H = e.shape
+    if skip is not None and ((need_de and de_acc is None) or (need_dc and dc_acc is None)):
+        raise ValueError("backward(skip=...) adds into de_acc and dc_acc: pass both where needed")
     V = c.shape[0]
     dev = e.device
     # dE is written by its first chunk's GEMM (V >= 1, checked by the caller), or added to
@@ -603,17 +616,19 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
             DOT_PREC=dot_prec, UPCAST=upcast(e.dtype), DESC=desc,
+            SKIP=coef if skip is None else skip, GATED=skip is not None,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **PINNED,
         )
         dz = d[:, :nc]
         if need_de:
             # the first chunk stores: no zero-fill and one read fewer of the fp32 (N, H) dE
-            (gemm_store if v0 == 0 and de_acc is None else gemm_acc)(de, dz, c[v0:v0 + nc], cfg)
+            (gemm_store if v0 == 0 and de_acc is None else gemm_acc)(de, dz, c[v0:v0 + nc], cfg,
+                                                                      skip=skip)
         if need_dc:  # dC_chunk = dz.T @ e, rounded once (into dc_acc: added, rounded once)
             if dc_acc is None:
                 gemm_store(dc[v0:v0 + nc], dz.t(), e, cfg)
             else:
-                gemm_acc(dc_acc[v0:v0 + nc], dz.t(), e, cfg)
+                gemm_acc(dc_acc[v0:v0 + nc], dz.t(), e, cfg, skip=skip)
         if need_dbias:
             db[v0:v0 + nc] = db_part[:, :nc].sum(dim=0)
     return de, dc, db

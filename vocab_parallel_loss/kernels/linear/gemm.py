@@ -4,6 +4,10 @@ interpreter, and a PyTorch without the fp32-output overloads).
 
 ``gemm_acc`` adds into an fp32 accumulator (``dE += dz @ C_chunk``); ``gemm_store`` writes once,
 rounded to the output dtype (``dC_chunk = dz.T @ E``), so every output element is rounded once.
+
+With ``skip`` (a one-element int32 device tensor) both run on ``_mm_kernel``, whose programs read
+it and return at once when it is nonzero: a GEMM that the device decides to leave out, with no
+host sync (``gated.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +30,13 @@ def _mm_kernel(
     ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    SKIP, GATED: tl.constexpr,
 ):
-    """``OUT (+)= A @ B`` with an fp32 accumulator; ``A (M, K)``, ``B (K, NN)``, any strides."""
+    """``OUT (+)= A @ B`` with an fp32 accumulator; ``A (M, K)``, ``B (K, NN)``, any strides.
+    With ``GATED`` every program returns at once when ``SKIP[0]`` is nonzero."""
+    if GATED:
+        if tl.load(SKIP) != 0:
+            return
     pid = tl.program_id(0)
     num_pm = tl.cdiv(M, BLOCK_M)
     num_pn = tl.cdiv(NN, BLOCK_N)
@@ -70,14 +79,18 @@ def _mm_kernel(
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
-        cfg: LCEConfig) -> None:
+        cfg: LCEConfig, skip=None) -> None:
     M, K = a.shape
     NN = b.shape[1]
     if M == 0 or NN == 0:
         return
     if K == 0:
         if not accumulate:
-            out.zero_()
+            if skip is None:
+                out.zero_()
+            else:  # zeros unless skipped, decided on the device
+                out.copy_(torch.where(skip != 0, out, torch.zeros((), dtype=out.dtype,
+                                                                  device=out.device)))
         return
     BM, BN, BK = cfg.mm_block_m, cfg.mm_block_n, cfg.mm_block_k
     check_tiles(BM, BN, BK)
@@ -87,6 +100,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         ACCUMULATE=accumulate, EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
         GROUP_M=cfg.mm_group_m, DOT_PREC=dot_precision(a.dtype), UPCAST=upcast(a.dtype),
+        SKIP=out if skip is None else skip, GATED=skip is not None,
         num_warps=cfg.mm_warps, num_stages=cfg.mm_stages, **PINNED,
     )
 
@@ -127,11 +141,13 @@ class _Fp32Reductions:
          m.allow_fp16_reduced_precision_reduction) = self.saved
 
 
-def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig) -> None:
+def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig,
+             skip=None) -> None:
     """``acc += a @ b`` accumulated in fp32 and rounded once into ``acc`` (fp32, or any float
-    dtype: a bf16 ``main_grad`` gets ``round(acc + a @ b)``, not the sum of two roundings)."""
+    dtype: a bf16 ``main_grad`` gets ``round(acc + a @ b)``, not the sum of two roundings).
+    ``skip``: left out where the device flag is nonzero (the module docstring)."""
     same = acc.dtype == a.dtype
-    if (same or acc.dtype == torch.float32) and _use_torch_mm(a, cfg, "addmm"):
+    if skip is None and (same or acc.dtype == torch.float32) and _use_torch_mm(a, cfg, "addmm"):
         try:
             with _Fp32Reductions():
                 if same:  # cuBLAS reads acc into its fp32 accumulator (beta = 1)
@@ -141,15 +157,16 @@ def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
             _torch_mm_failed("addmm", ex)
-    _mm(a, b, acc, True, cfg)
+    _mm(a, b, acc, True, cfg, skip)
 
 
-def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig) -> None:
+def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig,
+               skip=None) -> None:
     """``out = a @ b`` accumulated in fp32 and rounded once to ``out.dtype`` (``a``'s dtype or
-    fp32)."""
+    fp32). ``skip``: left out where the device flag is nonzero (the module docstring)."""
     same = out.dtype == a.dtype
     op = "mm" if same else "mm_fp32"
-    if _use_torch_mm(a, cfg, op):
+    if skip is None and _use_torch_mm(a, cfg, op):
         try:
             with _Fp32Reductions():
                 if same:  # fp32 accumulation, rounded once into out (fp32 split-K reductions)
@@ -159,4 +176,4 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
             return
         except (RuntimeError, TypeError) as ex:  # pragma: no cover - old torch
             _torch_mm_failed(op, ex)
-    _mm(a, b, out, False, cfg)
+    _mm(a, b, out, False, cfg, skip)
