@@ -79,6 +79,7 @@ def linear_cross_entropy(
     impl: str = "auto",
     memory_budget: Optional[float] = None,
     gradient_accumulation_fusion: bool = False,
+    loss_mask: Optional[torch.Tensor] = None,
 ):
     """Cross entropy of ``e @ c.T (+ bias)`` over the full (TP-sharded) vocabulary, fused.
 
@@ -120,6 +121,15 @@ def linear_cross_entropy(
         not add them again), or no gradient where ``c`` lacks that attribute. Needs
         ``c.main_grad`` shaped like ``c``. Saves the ``(V_local, H)`` gradient in ``c``'s dtype
         and its rounding. Both backends.
+    loss_mask : with ``reduction="none"``, the weights the caller multiplies the per-token
+        losses by (Megatron's loss mask; ``targets``' shape, any real dtype, not
+        differentiated). The loss returned is unchanged. Where the saved logits do not fit the
+        budget, the Triton backend then forms both gradients in forward for the upstream
+        gradient ``loss_mask`` (6NHV, also under TP) and only scales them in backward when the
+        upstream gradient is ``k * loss_mask`` exactly for one ``k`` (tested on the device);
+        any other upstream gradient gets its exact gradient from a recompute launched every
+        backward, whose kernels exit at once when it is not needed. The PyTorch backend
+        recomputes (exact for any upstream gradient).
 
     Returns
     -------
@@ -134,7 +144,7 @@ def linear_cross_entropy(
     return _linear_cross_entropy.loss(e, c, targets, bias, ignore_index, softcap, reduction,
                                       shift, return_lse, tp_group, sequence_parallel,
                                       label_smoothing, z_loss, impl, memory_budget,
-                                      gradient_accumulation_fusion)
+                                      gradient_accumulation_fusion, loss_mask)
 
 
 def token_logprobs(

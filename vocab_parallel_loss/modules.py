@@ -63,8 +63,9 @@ class VocabParallelCrossEntropy(_SharesGroup, nn.Module):
 class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
     """Loss from hidden states and this rank's classifier rows; see ``linear_cross_entropy``.
 
-    The module holds only options (no parameters): ``forward(e, c, targets, bias=None)`` where
-    ``c`` is usually the (TP-sharded) output-layer or tied embedding weight.
+    The module holds only options (no parameters): ``forward(e, c, targets, bias=None,
+    loss_mask=None)`` where ``c`` is usually the (TP-sharded) output-layer or tied embedding
+    weight.
     """
 
     def __init__(self, ignore_index: int = -100, softcap: Optional[float] = None,
@@ -90,9 +91,10 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
-                bias: Optional[torch.Tensor] = None):
+                bias: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
         return linear_cross_entropy(
-            e, c, targets, bias, ignore_index=self.ignore_index, softcap=self.softcap,
+            e, c, targets, bias, loss_mask=loss_mask, ignore_index=self.ignore_index,
+            softcap=self.softcap,
             reduction=self.reduction, shift=self.shift, return_lse=self.return_lse,
             tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl,

@@ -1,7 +1,9 @@
 """How the fused linear engine forms its gradients under a memory budget, chosen per call.
 
 Strategies, fastest first (docs/design.md, section 7): the forward saves every logits tile
-(6NHV); the gradients are formed in forward (scalar losses without TP, 6NHV); the first columns
+(6NHV); the gradients are formed in forward (scalar losses without TP, and per-token losses
+given the loss mask their upstream gradient is proportional to, with or without TP; 6NHV); the
+first columns
 saved and the rest recomputed; everything recomputed in column chunks (8NHV), the chunks
 narrowed when the budget is smaller than one. The loss (``ops/linear_cross_entropy``) and the
 token log-probs (``ops/linear_token_logprobs``) share the choice, and the column passes that run
@@ -30,20 +32,27 @@ class Strategy(NamedTuple):
     chunk_bytes: Optional[int] = None  # "recompute": the dlogits chunk, when the budget caps it
     size: Optional[int] = None  # "saved": leading columns saved (None: all); "grad_in_forward":
     # rows per chunk (None: ``LCEConfig.gif_rows``)
+    # (``chunk_bytes`` for "grad_in_forward" with a loss mask: the dlogits chunk of its
+    # fallback, the recompute that backward launches for any other upstream gradient)
 
 
 _RECOMPUTE = Strategy()
 
 
-def _gif_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor, main_grad: bool):
+def _gif_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor, main_grad: bool,
+               sp_world: int = 1):
     """``(forward, backward rounding dC first, backward rounding dE first)``, beyond the
-    gradients returned (``gif_fixed_bytes``)."""
+    gradients returned (``gif_fixed_bytes``). ``sp_world``: the ranks a sequence-parallel dE
+    is reduce-scattered over (1 without): the gradient returned is their share of the rows, the
+    reduce-scatter's fp32 shard is new memory beside it."""
     need_dc, need_de = c.requires_grad, e.requires_grad
     f_dc, f_de = need_dc * 4 * v * h, need_de * 4 * n * h  # the fp32 accumulators
     r_dc = 0 if main_grad else need_dc * c.element_size() * v * h  # the gradients returned
-    r_de = need_de * e.element_size() * n * h
+    r_de = need_de * e.element_size() * (n // sp_world) * h
     new_dc = r_dc if c.element_size() < 4 else 0  # allocated by the rounding
     new_de = r_de if e.element_size() < 4 else 0
+    if sp_world > 1:
+        new_de = r_de + need_de * 4 * (n // sp_world) * h * (e.element_size() < 4)
     returned = r_dc + r_de
     # live bytes at the first rounding (both accumulators and its new gradient), then at the
     # second (the first accumulator released, the gradient it became kept)
@@ -73,13 +82,39 @@ def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
     return forward, min(dc_first, de_first)
 
 
+def masked_gif_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
+                     main_grad: bool, world: int, sequence_parallel: bool,
+                     fallback: int) -> tuple:
+    """``(forward, backward)`` of the gradients formed in forward for a loss mask
+    (``ops/linear_cross_entropy/masked.py``), as ``gif_fixed_bytes`` counts them: forward adds
+    the fp32 mask kept for backward; backward holds both fp32 accumulators and the ``fallback``
+    bytes of its recompute's dlogits chunk at once (launched whatever the upstream gradient,
+    its kernels skip themselves when the formed gradients hold), then rounds them one at a
+    time, dC first under TP (dE is summed over the group in fp32 before it is rounded)."""
+    sp_world = world if sequence_parallel else 1
+    held, dc_first, de_first = _gif_bytes(n, v, h, e, c, main_grad, sp_world)
+    rounding = dc_first if world > 1 else min(dc_first, de_first)
+    return held + 4 * n, max(held + 4 * n + fallback, rounding)
+
+
+def fallback_chunk_bytes(n: int, v: int, size: int, chunk: int, cfg) -> int:
+    """The dlogits buffer ``fused.backward`` allocates for ``chunk_bytes=chunk``: whole
+    ``bwd_block_v`` column tiles of all ``n`` rows, at least one, at most the vocabulary."""
+    block = cfg.bwd_block_v
+    cols = max(block, chunk // max(n * size, 1) // block * block)
+    return n * min(cols, -(-v // block) * block) * size
+
+
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
-                    softcap, smoothing: float, memory_budget, main_grad: bool = False):
+                    softcap, smoothing: float, memory_budget, main_grad: bool = False,
+                    masked: bool = False):
     """The ``Strategy``: the fastest way to form the gradients whose extra memory fits
     ``memory_budget`` bytes (docs/design.md, section 7, "Strategies"), among those the backend
     runs (``backend.STRATEGIES``).
     ``LCEConfig.strategy`` other than ``"auto"`` forces one where it applies. ``main_grad``:
-    dC is added into ``c.main_grad`` (gradient-accumulation fusion), not returned.
+    dC is added into ``c.main_grad`` (gradient-accumulation fusion), not returned. ``masked``:
+    a per-token loss given its loss mask, whose gradients can be formed in forward (also under
+    TP: the backend must run ``"grad_in_forward"``).
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives."""
@@ -95,8 +130,9 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     # slope of an underflowed probability is unknown, and smoothing needs it
     saved_ok = not (softcap and smoothing > 0)
     scalar = reduction != "none"
+    masked = masked and not scalar and "grad_in_forward" in backend.STRATEGIES
     if cfg.strategy != "auto":
-        ok = {"saved": saved_ok, "grad_in_forward": scalar and saved_ok,
+        ok = {"saved": saved_ok, "grad_in_forward": (scalar or masked) and saved_ok,
               "recompute": True}[cfg.strategy]
         return Strategy(cfg.strategy) if ok else _RECOMPUTE
     budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
@@ -110,6 +146,18 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         rows = backend.gif_chunk_rows(n, v, size, budget - forward, cfg) if budget >= backward else 0
         if rows:
             return Strategy("grad_in_forward", size=rows)
+    # with a loss mask also under TP: its ranks run one all-gather per row chunk, a count that
+    # follows from V_local (ranks that disagree on it, an error, may then disagree on the count)
+    if masked and saved_ok and n:
+        forward, _ = masked_gif_bytes(n, v, h, e, c, main_grad, world, sequence_parallel, 0)
+        rows = backend.gif_chunk_rows(n, v, size, budget - forward, cfg)
+        if rows:
+            fallback = fallback_chunk_bytes(n, v, size, backend.saved_bytes(rows, v, size, cfg),
+                                            cfg)
+            _, backward = masked_gif_bytes(n, v, h, e, c, main_grad, world, sequence_parallel,
+                                           fallback)
+            if backward <= budget:
+                return Strategy("grad_in_forward", chunk_bytes=fallback, size=rows)
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
     de_hold, de_round = recompute_de_bytes(n, h, size, e.requires_grad,

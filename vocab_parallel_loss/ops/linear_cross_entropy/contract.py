@@ -34,6 +34,8 @@ class LinearLossOptions:
     gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
     main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``autograd.main_grad``)
+    masked: bool = False  # "grad_in_forward" for a per-token loss, formed for its loss mask
+    # (``masked.py``)
 
 
 def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
@@ -53,9 +55,30 @@ def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_lo
     return checks.check_ignore_index(ignore_index)
 
 
+def check_loss_mask(loss_mask, targets, reduction) -> None:
+    """``loss_mask``: None, or a real tensor of ``targets``' shape and device that does not
+    require grad, with ``reduction="none"``."""
+    if loss_mask is None:
+        return
+    if not isinstance(loss_mask, torch.Tensor):
+        raise TypeError(f"loss_mask must be a tensor or None, got {type(loss_mask).__name__}")
+    if reduction != "none":
+        raise ValueError(f"loss_mask is the weights a per-token loss is multiplied by: it needs "
+                         f"reduction='none', got reduction={reduction!r}")
+    if loss_mask.is_complex():
+        raise TypeError(f"loss_mask must be real (float, integer or bool), got {loss_mask.dtype}")
+    if loss_mask.requires_grad:
+        raise ValueError("loss_mask is not differentiated: pass loss_mask.detach()")
+    if tuple(loss_mask.shape) != tuple(targets.shape):
+        raise ValueError(f"loss_mask must have the shape of targets {tuple(targets.shape)}, got "
+                         f"{tuple(loss_mask.shape)}")
+    if loss_mask.device != targets.device:
+        raise ValueError(f"loss_mask is on {loss_mask.device}, targets on {targets.device}")
+
+
 def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
           sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-          gradient_accumulation_fusion) -> None:
+          gradient_accumulation_fusion, loss_mask=None) -> None:
     """Every argument of one call: raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_float("e", e)
     checks.check_float("c", c)
@@ -94,3 +117,4 @@ def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
     checks.check_leading_shape(
         "leading dims of e" + (" (gathered over the TP group)" if sequence_parallel else ""),
         torch.Size(lead), targets)
+    check_loss_mask(loss_mask, targets, reduction)

@@ -7,7 +7,8 @@ group and a merge give the full-vocabulary lse and loss on every rank. Saved for
 inputs, the flat targets and the lse (O(N)).
 
 Backward, by the strategy ``memory_budget`` allows (``strategy.py``): from the logits tiles the
-forward saved (6NHV), from gradients already formed in forward (scalar losses, 6NHV), or by
+forward saved (6NHV), from gradients already formed in forward (scalar losses, and per-token
+losses given their loss mask, ``masked.py``; 6NHV), or by
 recomputing the logits chunk by chunk (8NHV); each forms ``dlogits`` from the saved lse and
 accumulates ``dE`` and ``dC`` in fp32. ``dC`` is local. ``dE`` is summed over the TP group in
 fp32 (all-reduce; with ``sequence_parallel`` a reduce-scatter back to the sequence shard) and
@@ -35,7 +36,7 @@ from ..fused_linear.columns import backward_columns, forward_columns
 from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
 from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
 from ..fused_linear.strategy import choose_strategy, gif_round_dc_first
-from . import contract
+from . import contract, masked
 from .contract import LinearLossOptions
 
 
@@ -50,8 +51,21 @@ def _rows(e: torch.Tensor, targets: torch.Tensor, o: LinearLossOptions):
         dim = o.seq_dim % e.dim()
         kept = max(e.shape[dim] - o.shift, 0)
         e = e.narrow(dim, 0, kept)
-        targets = targets.narrow(dim, targets.shape[dim] - kept, kept)
+        targets = _shifted(targets, dim, kept)
     return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
+
+
+def _shifted(targets: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
+    """The last ``kept`` positions of ``targets`` (or of a loss mask) along ``dim``."""
+    return targets.narrow(dim, targets.shape[dim] - kept, kept)
+
+
+def _mask_rows(loss_mask: torch.Tensor, e: torch.Tensor, o: LinearLossOptions) -> torch.Tensor:
+    """The loss mask as ``_rows`` lays out the targets: shifted, flattened, fp32."""
+    if o.shift:  # (the mask has the targets' shape: the gathered one under sequence parallelism)
+        dim = o.seq_dim % e.dim()
+        loss_mask = _shifted(loss_mask, dim, max(loss_mask.shape[dim] - o.shift, 0))
+    return loss_mask.reshape(-1).to(torch.float32)
 
 
 def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: LinearLossOptions) -> tuple:
@@ -115,7 +129,7 @@ def _coef(lse, g, o: LinearLossOptions, v_global: int, grad_lse=None, x_t=None):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, e, c, bias, targets, o: LinearLossOptions):
+    def forward(ctx, e, c, bias, targets, o: LinearLossOptions, loss_mask=None):
         ctx.set_materialize_grads(False)
         world, rank = communication.world_size(o.group), communication.rank(o.group)
         v_local = c.shape[0]
@@ -124,9 +138,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         shapes = _shapes(e, c, targets, o)
         e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
         kept = (None, None, None)  # grad_in_forward: the gradients; saved: u, tile maxima, x_t
+        mask = _mask_rows(loss_mask, e, o) if o.masked else None
         if o.strategy == "grad_in_forward":
             row_stats, kept, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
-                                                            v_offset, shapes)
+                                                            v_offset, shapes, mask)
         else:
             saved_cols = None
             if o.strategy == "saved":
@@ -145,7 +160,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = (~ignored).sum() if o.reduction == "mean" else None
         if o.strategy == "grad_in_forward":
             # not saved tensors: backward releases each fp32 accumulator once it is rounded
-            ctx.formed, kept = list(kept), ()
+            ctx.formed, kept = list(kept), (() if mask is None else (mask,))
         ctx.save_for_backward(e, c, bias, targets, lse, count, *kept)
         ctx.o = o
         ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
@@ -172,7 +187,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_de, need_dc, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
             bias is not None and ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         home = main_grad_home(c, o.main_grad, need_dc)
         if o.strategy == "saved":
             consume(ctx, "its saved logits")
@@ -185,6 +200,16 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 o.backend, e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc,
                 need_db, saved=o.backend.SavedTiles(u, tile_max, ctx.tile_v),
                 de_final=communication.world_size(o.group) == 1, dc_acc=home)
+        elif o.masked:
+            consume(ctx, "the gradients formed in forward")
+            formed, ctx.formed = ctx.formed, None
+            e2, t2, _, _ = _rows(e, targets, o)
+            coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
+                         grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
+            de32, dc, db = masked.backward(formed, grad_loss, grad_lse, coef, e, e2, c, bias, t2,
+                                           kept[0], o, v_offset,
+                                           communication.world_size(o.group), need_de, need_dc,
+                                           need_db, home)
         elif o.strategy == "grad_in_forward":
             consume(ctx, "the gradients formed in forward")
             formed, ctx.formed = ctx.formed, None
@@ -217,7 +242,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 de = de32.to(e.dtype)
         if db is not None:
             db = db.to(bias.dtype)
-        return de, dc, db, None, None
+        return de, dc, db, None, None, None
 
 
 def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse,
@@ -307,8 +332,10 @@ def _token_grad(grad_loss, t2, count, o: LinearLossOptions, dtype):
 
 
 def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: int, v_offset: int,
-                        shapes: tuple):
-    """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in forward,
+                        shapes: tuple, mask=None):
+    """Scalar loss: statistics and both gradients (for an upstream gradient of 1) in forward;
+    with ``mask`` (``(N,)`` fp32) a per-token loss's, for the upstream gradient ``mask``
+    (``masked.py``). A chunk at a time,
     a chunk of ``o.gif_rows`` rows at a time: the fused forward saves the chunk's logits tiles
     (``saved.py``), its statistics are merged, the tiles become ``dz`` in place, then
     ``dE[rows] = dz @ C`` and ``dC += dz.T @ E[rows]`` (fp32). 6NHV. Returns the merged row
@@ -325,7 +352,10 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
     f32 = torch.float32
     valid = t2 != o.ignore_index
     one = torch.ones((), dtype=f32, device=dev)
-    scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
+    if mask is not None:
+        scale = mask
+    else:
+        scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
     g = torch.where(valid, scale, torch.zeros((), dtype=f32, device=dev))
     row_stats = torch.empty((4, n), dtype=f32, device=dev)
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
@@ -356,12 +386,12 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
 
 def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, tp_group,
          sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-         gradient_accumulation_fusion):
+         gradient_accumulation_fusion, loss_mask=None):
     """``functional.linear_cross_entropy`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
                    sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-                   gradient_accumulation_fusion)
+                   gradient_accumulation_fusion, loss_mask)
     ignore_index = int(ignore_index)
     targets = checks.widened_target(targets, ignore_index, "targets")
     if settings.flag(settings.CHECK_TARGETS, False):
@@ -375,7 +405,9 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
     softcap = float(softcap) if softcap else None
     smoothing = float(label_smoothing)
     strategy = choose_strategy(backend, e, c, bias, reduction, sequence_parallel, tp_group,
-                               softcap, smoothing, memory_budget, gradient_accumulation_fusion)
+                               softcap, smoothing, memory_budget, gradient_accumulation_fusion,
+                               masked=loss_mask is not None)
+    masked_gif = loss_mask is not None and strategy.name == "grad_in_forward"
     o = LinearLossOptions(
         ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=int(shift),
         group=tp_group,
@@ -384,9 +416,11 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
         strategy=strategy.name, chunk_bytes=strategy.chunk_bytes,
         saved_cols=strategy.size if strategy.name == "saved" else None,
         gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
-        seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion)
+        seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion,
+        masked=masked_gif)
+    mask = loss_mask.detach() if masked_gif else None  # (unused by the other strategies)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
-        out, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o)
+        out, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o, mask)
     else:
-        out, lse = untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o)
+        out, lse = untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o, mask)
     return (out, lse) if return_lse else out
