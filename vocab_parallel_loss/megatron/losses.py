@@ -48,6 +48,7 @@ def fused_linear_loss(
     config: Any,
     loss_config: VocabParallelLossConfig,
     tp_group,
+    loss_mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Per-token loss ``[b, s]`` (fp32) of ``output_layer(hidden_states)`` against ``labels [b, s]``.
 
@@ -57,6 +58,11 @@ def fused_linear_loss(
     tied); MuP's output multiplier is applied as megatron-core applies it to the logits. With
     the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the weight (DDP's), the
     weight's gradient is added into ``main_grad``, as the output layer would add it.
+
+    ``loss_mask [b, s]``: the mask Megatron-LM's loss function multiplies the returned losses
+    by (``GPTModel.forward``'s ``loss_mask``). The losses are returned unmasked, as without it;
+    the fused loss then forms its gradients in forward for an upstream gradient proportional to
+    the mask, and falls back to the exact gradient for any other (``linear_cross_entropy``).
     """
     from .. import linear_cross_entropy
 
@@ -70,6 +76,10 @@ def fused_linear_loss(
         hidden_states = hidden_states * scale
         bias = None if bias is None else bias * scale
     target = labels.transpose(0, 1).contiguous()  # [s, b], like the hidden states
+    if loss_mask is not None and loss_mask.shape == labels.shape:
+        loss_mask = loss_mask.detach().transpose(0, 1)
+    else:  # no mask, or not one per label: the losses' gradients are recomputed in backward
+        loss_mask = None
     loss = linear_cross_entropy(
         hidden_states, weight, target, bias,
         ignore_index=loss_config.ignore_index, reduction="none",
@@ -78,5 +88,6 @@ def fused_linear_loss(
         label_smoothing=loss_config.label_smoothing, z_loss=loss_config.z_loss, impl="auto",
         memory_budget=loss_config.memory_budget,
         gradient_accumulation_fusion=accumulates_into_main_grad(config, weight),
+        loss_mask=loss_mask,
     )  # [s, b], fp32
     return loss.transpose(0, 1).contiguous()

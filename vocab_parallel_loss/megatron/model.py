@@ -91,18 +91,20 @@ class VocabParallelLossMixin:
             if call.get("mtp_in_postprocess"):
                 hidden = self.mtp(embedding=self.embedding, **_compat.mtp_block_arguments(self.mtp, call))
             hidden = mtp.add_mtp_losses(self, hidden, call, self._vpl_fused_linear_loss)
-        return self._vpl_fused_linear_loss(hidden, call["labels"])
+        return self._vpl_fused_linear_loss(hidden, call["labels"], loss_mask=call.get("loss_mask"))
 
     def _vpl_fused_linear_loss(self, hidden_states: torch.Tensor, labels: torch.Tensor,
-                               weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               weight: Optional[torch.Tensor] = None,
+                               loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-token loss ``[b, s]`` (fp32) of ``output_layer(hidden_states)`` against ``labels [b, s]``;
-        the weight is the output layer's, or the embedding's when they are tied."""
+        the weight is the output layer's, or the embedding's when they are tied. ``loss_mask [b, s]``:
+        what the caller multiplies the losses by (``losses.fused_linear_loss``)."""
         if weight is None:
             weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
                 else self.output_layer.weight
         return losses.fused_linear_loss(
             hidden_states, weight, labels, output_layer=self.output_layer, config=self.config,
-            loss_config=self.loss_config, tp_group=self.vocab_parallel_loss.tp_group)
+            loss_config=self.loss_config, tp_group=self.vocab_parallel_loss.tp_group, loss_mask=loss_mask)
 
 
 class VocabParallelLossGPTModel(VocabParallelLossMixin, GPTModel):

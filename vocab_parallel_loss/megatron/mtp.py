@@ -29,13 +29,14 @@ def add_mtp_losses(
     model: Any,
     hidden_states: torch.Tensor,
     call: Dict[str, Any],
-    head_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    head_loss: Callable[..., torch.Tensor],
 ) -> torch.Tensor:
     """The main head's hidden states, carrying the MTP heads' losses for backward.
 
     ``hidden_states`` is the MTP block's output, ``call`` the ``_postprocess`` arguments by name
-    (labels, loss_mask, packed_seq_params), ``head_loss(hidden, labels, weight)`` the per-token
-    ``[b, s]`` loss of one head.
+    (labels, loss_mask, packed_seq_params), ``head_loss(hidden, labels, weight, loss_mask=)`` the
+    per-token ``[b, s]`` loss of one head, given the rolled mask its loss is multiplied by here (so
+    that the fused loss can form its gradients in forward).
     """
     from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -57,7 +58,7 @@ def add_mtp_losses(
     for k in range(heads):
         labels, _ = _compat.roll_labels(labels, call, cp_group)
         mask, num_tokens = _compat.roll_labels(mask, call, cp_group)
-        loss = mask * head_loss(chunks[k + 1], labels, weight)
+        loss = mask * head_loss(chunks[k + 1], labels, weight, loss_mask=mask)
         safe_tokens = num_tokens.clamp(min=1)
         if model.training:
             mean = loss.sum() * (num_tokens > 0).to(loss.dtype) / safe_tokens  # no host sync

@@ -50,7 +50,7 @@ class VocabParallelLossOutputProcessor:
 
     def __call__(self, *, hidden_states: torch.Tensor, output_layer: Any, output_weight=None, labels=None,
                  runtime_gather_output=None, compute_language_model_loss=None, scale_logits=None,
-                 config: Any = None, **_: Any):
+                 config: Any = None, loss_mask=None, **_: Any):
         if getattr(config, "mtp_num_layers", None):
             raise NotImplementedError(
                 "VocabParallelLossOutputProcessor: megatron-core computes the multi-token-prediction "
@@ -61,7 +61,8 @@ class VocabParallelLossOutputProcessor:
         weight = output_weight if output_weight is not None else output_layer.weight
         if labels is not None and cfg.enabled and cfg.fused_linear:
             return losses.fused_linear_loss(hidden_states, weight, labels, output_layer=output_layer,
-                                            config=config, loss_config=cfg, tp_group=_compat.tp_group_of(model))
+                                            config=config, loss_config=cfg, tp_group=_compat.tp_group_of(model),
+                                            loss_mask=loss_mask)
         logits, _ = output_layer(hidden_states, weight=output_weight, runtime_gather_output=runtime_gather_output)
         if scale_logits is not None:
             logits = scale_logits(logits)
