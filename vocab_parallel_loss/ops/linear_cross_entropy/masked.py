@@ -34,12 +34,16 @@ import torch
 from ..fused_linear.strategy import gif_round_dc_first
 
 
-def upstream_scale(grad_loss, mask: torch.Tensor, valid: torch.Tensor):
+def upstream_scale(grad_loss, grad_lse, mask: torch.Tensor, valid: torch.Tensor):
     """``(k, ok)`` on the device: ``k`` one fp32 element, ``ok`` a bool scalar that is true
     where ``grad_loss`` (per token, or None: zeros) equals ``k * mask`` exactly at every token
-    of ``valid`` and ``k`` is finite (the module docstring). Nothing is read on the host."""
+    of ``valid``, ``k`` is finite and the lse output has no gradient (``grad_lse`` None; the
+    formed gradients hold nothing of it): the module docstring. Nothing is read on the host."""
     n = mask.numel()
     dev = mask.device
+    if grad_lse is not None:
+        return torch.ones(1, dtype=torch.float32, device=dev), torch.zeros(
+            (), dtype=torch.bool, device=dev)
     if n == 0:
         return torch.zeros(1, dtype=torch.float32, device=dev), torch.ones((), dtype=torch.bool,
                                                                            device=dev)
@@ -65,9 +69,7 @@ def backward(formed: list, grad_loss, grad_lse, coef: torch.Tensor, e, e2, c, bi
     dbias fp32)``."""
     K = o.backend
     valid = t2 != o.ignore_index
-    k, ok = upstream_scale(grad_loss, mask, valid)
-    if grad_lse is not None:  # the formed gradients hold nothing of the lse output's
-        ok = torch.zeros_like(ok)
+    k, ok = upstream_scale(grad_loss, grad_lse, mask, valid)
     skip = ok.to(torch.int32).view(1)
     scale = torch.where(ok, k, torch.ones_like(k))
     de_f, dc_f, db_f = formed
