@@ -28,6 +28,7 @@ from tests._budgets import device_columns, narrow_chunk_config, one_saved_tile_b
 from tests._linear_oracle import reference_grads
 from vocab_parallel_loss import linear_cross_entropy, settings
 from vocab_parallel_loss.ops.fused_linear import strategy as strategy_mod
+from vocab_parallel_loss.ops.linear_cross_entropy import masked as masked_mod
 from vocab_parallel_loss.kernels import linear as K
 
 DEVICE = torch.device("cpu")  # main() sets the rank's GPU under VPL_TEST_DEVICE=cuda[:N]
@@ -60,7 +61,10 @@ def close(name, got, want, rtol):
 
 def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_loss=0.0,
                softcap=None, bias=False, shift=0, sp=False, gif=False, budget=None, v_local=23,
-               h=24, s=8, b=4, padded=False):
+               h=24, s=8, b=4, padded=False, masked=None):
+    """``masked``: the per-token loss given a loss mask, its upstream gradient ``"scaled"`` (k
+    times the mask: Triton uses the gradients formed in forward) or ``"other"`` (the exact
+    fallback)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     K.config.OVERRIDE_CONFIG = gif_config() if gif else None
     v_local = device_columns(K, v_local, DEVICE)
@@ -82,6 +86,9 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
     t[torch.rand(lead, generator=gen) < 0.2] = -100
     up = torch.randn(lead, generator=gen)
     up = up[shift:] if sp else up[..., shift:]
+    mask = (torch.rand(lead, generator=gen) > 0.3).float()
+    if masked == "scaled":
+        up = 0.37 * (mask[shift:] if sp else mask[..., shift:])
 
     rows = slice(rank * v_local, (rank + 1) * v_local)
     seq = slice(rank * lead[0] // world, (rank + 1) * lead[0] // world)
@@ -97,11 +104,27 @@ def check_case(*, impl, dtype=torch.float32, reduction="mean", smoothing=0.0, z_
         picked = strategy_mod.choose_strategy(K, e, c, None, reduction, sp, dist.group.WORLD, softcap,
                                         smoothing, budget)
         assert impl != "triton" or picked == ("saved", None, cfg.fwd_block_v), picked
-    loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,
-                                sequence_parallel=sp, impl=impl, memory_budget=budget, **kw)
-    g = up if reduction == "none" else torch.ones(())
-    leaves = [e, c] + ([bb] if bias else [])
-    grads = torch.autograd.grad(loss, leaves, g.to(DEVICE, loss.dtype))
+    taken, scale = [], masked_mod.upstream_scale
+
+    def spied(*a, **k):
+        k_, ok = scale(*a, **k)
+        taken.append(bool(ok))
+        return k_, ok
+
+    masked_mod.upstream_scale = spied
+    try:
+        loss = linear_cross_entropy(e, c, t.to(DEVICE), bb, tp_group=dist.group.WORLD,
+                                    sequence_parallel=sp, impl=impl, memory_budget=budget,
+                                    loss_mask=mask.to(DEVICE) if masked else None, **kw)
+        g = up if reduction == "none" else torch.ones(())
+        leaves = [e, c] + ([bb] if bias else [])
+        grads = torch.autograd.grad(loss, leaves, g.to(DEVICE, loss.dtype))
+    finally:
+        masked_mod.upstream_scale = scale
+    if masked and impl == "triton":
+        assert taken == [masked == "scaled"], taken
+    else:
+        assert not taken, taken
 
     if sp:  # the oracle shifts along dim -2: give it [b, s, h], then transpose back
         want, wgrads = reference_grads(e_full.transpose(0, 1), c_full, t.t(), bias_full,
@@ -142,6 +165,11 @@ CASES = [
     # gradients formed in forward: one stats all-gather per row chunk
     dict(reduction="mean", gif=True, smoothing=0.1, bias=True, z_loss=1e-3),
     dict(reduction="sum", gif=True, sp=True, softcap=3.0, shift=1),
+    # per-token losses given their loss mask (Triton forms the gradients in forward); the
+    # PyTorch backend recomputes
+    dict(reduction="none", gif=True, masked="scaled", sp=True, shift=1, bias=True),
+    dict(reduction="none", gif=True, masked="other", sp=True, smoothing=0.1),
+    dict(reduction="none", gif=True, masked="scaled", softcap=3.0, dtype=torch.bfloat16),
 ]
 
 
@@ -193,7 +221,8 @@ def main() -> int:
     torch.manual_seed(0)
     impls = sys.argv[1:] or ["triton", "torch"]
     cases = [(case_name(impl, case), lambda impl=impl, case=case: check_case(impl=impl, **case))
-             for impl in impls for case in CASES if impl == "triton" or not case.get("gif")]
+             for impl in impls for case in CASES
+             if impl == "triton" or not case.get("gif") or case.get("masked")]
     cases += [(f"{impl}/reused group", lambda impl=impl: check_reused_group(impl=impl))
               for impl in impls]
     if "torch" in impls:  # dynamo traces the PyTorch backend (the Triton one is a graph break)

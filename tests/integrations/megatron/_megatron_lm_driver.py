@@ -15,15 +15,21 @@ which parses the flags), the model-parallel groups over gloo, and Megatron's own
 ``setup_model_and_optimizer`` (``--skip-train``: no optimizer). Then one micro-batch goes through
 the script's own ``forward_step``: the guard sees that first forward; when it passes, the
 per-token loss and every gradient are compared with megatron-core's own loss on the same model
-(our loss switched off on it), multi-token-prediction heads' logged losses included.
+(our loss switched off on it), multi-token-prediction heads' logged losses included. The upstream
+gradient is a random one per token, except in the ``masked`` scenarios, where megatron-core's
+schedule takes the micro-batch (its ``forward_step`` and ``backward_step``: the script's
+``loss_func``, the token count, ``calculate_per_token_loss``) and the fused loss must have formed
+its gradients in forward for the loss mask and used them (``masked.upstream_scale`` says so).
 
 CPU scaffolding, this process only: ``Tensor.cuda`` and ``torch.cuda.current_device`` point at the
 CPU (``get_batch`` and megatron-core allocate there), the CUDA RNG tracker's fork is a no-op
 (dropout is 0), the GPU architecture Megatron-LM's argument checks ask for is Hopper's, the batch
-carries an explicit causal mask (megatron-core's default one is built on CUDA), and where
+carries an explicit causal mask (megatron-core's default one is built on CUDA), where
 megatron-core asks whether a layer is TransformerEngine's inference linear, the answer is no
 without TransformerEngine (0.20's MTP layer asks with ``isinstance`` on a class that is then
-undefined).
+undefined), and under ``--sequence-parallel`` the local spec's torch norms (which refuse it: the
+fused norms that allow it need Apex) are built anyway, their parameters marked
+``sequence_parallel`` as megatron-core marks its fused norms'.
 """
 
 from __future__ import annotations
@@ -96,7 +102,18 @@ def stand_in_pretrain(*args, **kwargs):
 @contextlib.contextmanager
 def cpu_scaffolding():
     from megatron.core import tensor_parallel
+    from megatron.core.transformer import torch_norm
     from megatron.training import arguments
+
+    norm_new = torch_norm.WrappedTorchNorm.__new__
+
+    def norm_allowing_sp(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return norm_new(cls, config, hidden_size, eps, **kwargs)
+        norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
 
     tracker = tensor_parallel.get_cuda_rng_tracker()
     saved = torch.Tensor.cuda, torch.cuda.current_device, getattr(arguments, "get_device_arch_version", None)
@@ -107,6 +124,7 @@ def cpu_scaffolding():
         if hasattr(mtp, "is_inference_column_parallel_linear"):
             mtp.is_inference_column_parallel_linear = lambda module: False
     tracker.fork = lambda *a, **k: contextlib.nullcontext()
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(norm_allowing_sp)
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.cuda.current_device = lambda: torch.device("cpu")
     if saved[2] is not None:
@@ -115,6 +133,7 @@ def cpu_scaffolding():
         yield
     finally:
         del tracker.fork
+        torch_norm.WrappedTorchNorm.__new__ = staticmethod(norm_new)
         torch.Tensor.cuda, torch.cuda.current_device = saved[:2]
         if saved[2] is not None:
             arguments.get_device_arch_version = saved[2]
@@ -145,13 +164,40 @@ def step(forward_step, chunk, upstream):
     return output.detach(), grads, logged
 
 
+def schedule_step(forward_step, chunk):
+    """One micro-batch through megatron-core's own schedule steps (forward with the script's
+    ``loss_func``, then backward): (per-token loss, grads, MTP logs, reported ``lm loss``, token
+    count)."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+    from megatron.core.utils import get_model_config
+
+    MTPLossLoggingHelper.tracker.clear()
+    chunk.zero_grad(set_to_none=True)
+    config = get_model_config(chunk)
+    outputs, store = [], []
+
+    def recorded(data_iterator, model):
+        output, loss_func = forward_step(data_iterator, model)
+        outputs.append(output)
+        return output, loss_func
+
+    loss, num_tokens = schedules.forward_step(recorded, batches(), chunk, 1, None, store, config, 1)
+    schedules.backward_step(None, loss, None, config)
+    logged = {k: v.detach().clone() for k, v in MTPLossLoggingHelper.tracker.items() if torch.is_tensor(v)}
+    grads = {n: p.grad.detach().clone() for n, p in chunk.named_parameters() if p.grad is not None}
+    report = store[0]["lm loss"].detach().clone()
+    return outputs[0].detach(), grads, logged, report, num_tokens.clone()
+
+
 def max_diff(a, b):
     return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
 
-def run_scenario(snapshot: Path, recipe: str, extra, workdir: Path):
+def run_scenario(snapshot: Path, recipe: str, extra, workdir: Path, masked: bool = False):
     from vocab_parallel_loss import VocabParallelCrossEntropy
     from vocab_parallel_loss.megatron import VocabParallelLossMixin, VocabParallelLossNotWiredError
+    from vocab_parallel_loss.ops.linear_cross_entropy import masked as masked_mod
 
     script = workdir / f"pretrain_gpt_{recipe}.py"
     if dist.get_rank() == 0:
@@ -175,15 +221,27 @@ def run_scenario(snapshot: Path, recipe: str, extra, workdir: Path):
         out["fused_linear"] = bool(chunk._vpl_fused_linear)
     chunk.train()
     upstream = torch.rand(BATCH, SEQ, generator=torch.Generator().manual_seed(3))
-    ran = []
+    ran, taken = [], []
     chunk.output_layer.register_forward_hook(lambda *_: ran.append(1))
+    scale = masked_mod.upstream_scale
+
+    def spied(*a, **k):  # whether each fused loss's backward used the gradients formed in forward
+        k_, ok = scale(*a, **k)
+        taken.append(bool(ok))
+        return k_, ok
+
+    run = schedule_step if masked else (lambda f, m: step(f, m, upstream))
     with cpu_scaffolding():
+        masked_mod.upstream_scale = spied
         try:
-            result = step(STATE["forward_step"], chunk, upstream)
+            result = run(STATE["forward_step"], chunk)
         except VocabParallelLossNotWiredError as e:
             out["guard_error"] = str(e)
             return out
+        finally:
+            masked_mod.upstream_scale = scale
         out["output_layer_ran"] = bool(ran)
+        out["masked_taken"] = taken
         # megatron-core's own loss on the same model: ours switched off.
         processor = script_globals.get("_VPL_OUTPUT_PROCESSOR")
         if ours:
@@ -191,8 +249,11 @@ def run_scenario(snapshot: Path, recipe: str, extra, workdir: Path):
         elif processor is not None:
             out["processor_fused_linear"] = processor.loss_config.fused_linear
             processor._config = type(processor.loss_config)(enabled=False)
-        reference = step(STATE["forward_step"], chunk, upstream)
-    (loss, grads, logged), (ref_loss, ref_grads, ref_logged) = result, reference
+        reference = run(STATE["forward_step"], chunk)
+    if masked:  # the reported lm loss and token count, through the script's own loss_func
+        out["report"], out["report_ref"] = result[3].tolist(), reference[3].tolist()
+        out["num_tokens"], out["num_tokens_ref"] = int(result[4]), int(reference[4])
+    (loss, grads, logged), (ref_loss, ref_grads, ref_logged) = result[:3], reference[:3]
     assert loss.shape == (BATCH, SEQ) and grads.keys() == ref_grads.keys(), (loss.shape, grads.keys() ^ ref_grads.keys())
     out["loss_diff"] = max_diff(loss, ref_loss)
     out["grad_max_rel_diff"] = max(max_diff(grads[n], ref_grads[n]) / (ref_grads[n].abs().max().item() + 1e-6)
@@ -223,10 +284,10 @@ def cleanup():
     STATE.clear()
 
 
-def scenario(snapshot: Path, recipe: str, extra, workdir: Path):
+def scenario(snapshot: Path, recipe: str, extra, workdir: Path, masked: bool):
     def run():
         try:
-            return run_scenario(snapshot, recipe, extra, workdir)
+            return run_scenario(snapshot, recipe, extra, workdir, masked)
         except SystemExit as e:  # Megatron-LM exits on what it refuses: recorded like an error
             raise RuntimeError(f"SystemExit({e.code!r})") from e
         finally:
@@ -244,7 +305,7 @@ def main():
             dist.broadcast_object_list(name, src=0)
             workdir = Path(name[0]) if dist.get_rank() != 0 else workdir
         # every scenario runs (each ends on a barrier); rank 0 writes the outcomes as JSON
-        run_checks([(name, scenario(snapshot, recipe, extra, workdir))
+        run_checks([(name, scenario(snapshot, recipe, extra, workdir, "masked" in name))
                     for name, recipe, extra in scenarios], keep_going=True,
                    summary="Megatron-LM scenarios passed")
         dist.barrier()  # no rank removes the copies while another reads them

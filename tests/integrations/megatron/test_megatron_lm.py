@@ -29,6 +29,13 @@ pytest.importorskip("megatron.core")
 REPO = Path(__file__).resolve().parents[3]
 DRIVER = Path(__file__).resolve().parent / "_megatron_lm_driver.py"
 MTP = ["--position-embedding-type", "rope"]  # Megatron-LM refuses MTP with learned positions
+# the fused loss with the loss mask under sequence parallelism, a budget (GiB) under which the tiny
+# model's saved logits (21 KB with the fp32 dE of the TP sum) do not fit and the gradients formed
+# in forward do (10.6 KB): megatron-core's schedule steps run the script's loss_func (whose NaN
+# check needs the training loop's rerun state machine: off)
+MASKED = ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear", "--sequence-parallel",
+          "--vocab-parallel-loss-memory-budget", "0.0000149", "--no-check-for-nan-in-loss-and-grad"]
+PER_TOKEN = ["--calculate-per-token-loss"]
 # generation: (tarball pattern, megatron-core version prefix, scenarios[, optional]). The optional
 # snapshots (tarballs of a Megatron-LM checkout at core_v0.18.* / core_v0.19.*, same layout as the
 # others) are run when present and skipped when absent, also from a folder named by the variable.
@@ -38,12 +45,16 @@ SNAPSHOTS = {
         ("provider_fused_mtp", "provider", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear",
                                             "--mtp-num-layers", "2", "--calculate-per-token-loss", *MTP]),
         ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
+        ("provider_masked", "provider", MASKED),
+        ("provider_masked_per_token", "provider", [*MASKED, *PER_TOKEN]),
     ]),
     "0.18": ("megatron-lm-core_v0.18*.tar.xz", "0.18.", [
         ("provider", "provider", ["--vocab-parallel-loss"]),
         ("provider_fused_mtp", "provider", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear",
                                             "--mtp-num-layers", "2", "--calculate-per-token-loss", *MTP]),
         ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
+        ("provider_masked", "provider", MASKED),
+        ("provider_masked_per_token", "provider", [*MASKED, *PER_TOKEN]),
     ], "optional"),
     "0.19": ("megatron-lm-core_v0.19*.tar.xz", "0.19.", [
         ("pre_wrap_hook", "pre_wrap_hook", ["--vocab-parallel-loss"]),
@@ -52,6 +63,9 @@ SNAPSHOTS = {
         ("output_processor_fused", "output_processor", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear"]),
         ("ignored_provider", "ignored_provider", ["--vocab-parallel-loss"]),
         ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
+        ("pre_wrap_hook_masked", "pre_wrap_hook", MASKED),
+        ("pre_wrap_hook_masked_per_token", "pre_wrap_hook", [*MASKED, *PER_TOKEN]),
+        ("output_processor_masked", "output_processor", [*MASKED, *PER_TOKEN]),
     ], "optional"),
     "main": ("megatron-lm-main-*.tar.xz", "0.20.0", [
         ("pre_wrap_hook", "pre_wrap_hook", ["--vocab-parallel-loss"]),
@@ -62,6 +76,10 @@ SNAPSHOTS = {
         ("output_processor_fused", "output_processor", ["--vocab-parallel-loss", "--vocab-parallel-loss-fused-linear"]),
         ("ignored_provider", "ignored_provider", ["--vocab-parallel-loss"]),
         ("flags_only", "flags_only", ["--vocab-parallel-loss"]),
+        ("pre_wrap_hook_masked", "pre_wrap_hook", MASKED),
+        ("pre_wrap_hook_masked_per_token", "pre_wrap_hook", [*MASKED, *PER_TOKEN]),
+        ("pre_wrap_hook_masked_mtp", "pre_wrap_hook", [*MASKED, "--mtp-num-layers", "2", *MTP]),
+        ("output_processor_masked", "output_processor", [*MASKED, *PER_TOKEN]),
     ]),
 }
 WIRED = [(gen, name) for gen, (_, _, scenarios, *_) in SNAPSHOTS.items() for name, recipe, _ in scenarios
@@ -136,7 +154,7 @@ def test_recipe_trains_with_our_loss(megatron_lm, gen, name):
     the output layer never runs), and the per-token loss and every gradient equal megatron-core's
     own loss on the same model; MTP heads' logged losses (0.20: and acceptance counts) too."""
     r = _result(megatron_lm, gen, name)
-    fused = "fused" in name
+    fused = "fused" in name or "masked" in name
     if name.startswith("output_processor"):
         assert r["classes"] == ["GPTModel"] and r["processor_fused_linear"] is fused
     else:
@@ -149,6 +167,24 @@ def test_recipe_trains_with_our_loss(megatron_lm, gen, name):
         assert logged.keys() == ref.keys() and logged.get("loss_values", logged.get("values"))  # 0.20 / 0.17
         for key in ref:
             assert logged[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-6), key
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("gen,name", [w for w in WIRED if "masked" in w[1]])
+def test_masked_fused_loss_forms_its_gradients_in_forward(megatron_lm, gen, name):
+    """The fused loss given GPTModel.forward's loss_mask under sequence parallelism, TP=2, one
+    micro-batch through megatron-core's schedule steps with the script's loss_func (token count
+    divided out, or not with --calculate-per-token-loss): every head's fused loss formed its
+    gradients in forward for the mask and backward used them; the per-token losses, every
+    gradient (test_recipe_trains_with_our_loss), the reported lm loss and the token count equal
+    megatron-core's own loss."""
+    r = _result(megatron_lm, gen, name)
+    heads = 3 if "mtp" in name else 1
+    assert r["masked_taken"] == [True] * heads, r["masked_taken"]
+    assert r["num_tokens"] == r["num_tokens_ref"] == 2 * 16 - 3
+    assert r["report"][1] == r["report_ref"][1] == r["num_tokens"]
+    assert r["report"][0] == pytest.approx(r["report_ref"][0], rel=1e-6)
 
 
 @pytest.mark.distributed
