@@ -8,7 +8,10 @@
     TRITON_INTERPRET=1 python benchmarks/bench_linear.py --smoke-cpu --n 64 --hidden 32 --vocab 301
 
 Each implementation runs forward + backward (``torch.autograd.grad`` of e and c) in bf16, for
-``reduction="mean"`` and for ``reduction="none"`` with a non-uniform per-token upstream gradient.
+``reduction="mean"``, for ``reduction="none"`` with a non-uniform per-token upstream gradient,
+and for ``"masked"``: Megatron's loss, per-token losses times a loss mask, summed, divided by the
+mask's count (ours given the mask, ``loss_mask=``, forms its gradients in forward where the
+saved logits do not fit; the peers compute per-token losses).
 Reported: median ms (CUDA events, L2 flushed before each call), TFLOP/s counted as 6NHV/time (a scalar loss can
 form both gradients in forward) and 8NHV/time (per-token loss: logits recomputed in backward),
 peak memory above the inputs during the step, with and without the gradients left behind, and
@@ -64,7 +67,7 @@ def run_table(shapes, impls, reductions, warmup, rep, note_cfg, rounds=0):
                     print(msg, flush=True)
                 continue
             for red in reductions:
-                if name == "ours_gif" and red == "none":
+                if name == "ours_gif" and red == "none":  # (scalar or masked losses only)
                     continue
                 try:
                     ms, peak, gbytes, loss = measure(fn, e, c, t, red, up, warmup, rep)
@@ -148,7 +151,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     default=["ours", "ours_saved", "ours_gif", "ours_recompute", "torch", "cce",
                              "liger", "quack"],
                     help=f"any of {', '.join(PEERS)}, or ours@G: ours with memory_budget G GiB")
-    ap.add_argument("--reductions", nargs="+", default=["mean", "none"])
+    ap.add_argument("--reductions", nargs="+", default=["mean", "none", "masked"],
+                    choices=["mean", "none", "masked"])
     ap.add_argument("--rounds", type=int, default=0,
                     help="then time every row once per round in turn, this many rounds; the "
                          "table's ms becomes the median over the rounds (ms_alone keeps the "

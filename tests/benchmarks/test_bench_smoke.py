@@ -106,7 +106,7 @@ def test_bench_linear_smoke_cpu_writes_json_and_markdown(tmp_path):
     rows = json.loads(files[".json"].read_text())["rows"]
     assert {(r["impl"], r["reduction"]) for r in rows} == {
         (i, red) for i in ("ours", "ours@0", "torch", "ours_main_grad@0.001")
-        for red in ("mean", "none")}
+        for red in ("mean", "none", "masked")}
     assert all(r["ms"] > 0 and r["ms_alone"] > 0 for r in rows), rows
     # ours against the fp32 reference; torch rounds its bf16 logits before the loss
     assert all(r["max_loss_err"] < 1e-4 for r in rows if r["impl"].startswith("ours")), rows

@@ -3,6 +3,11 @@
 ``make_peer(name)`` returns ``fn(e, c, t, reduction) -> (loss, leaves)`` for hidden states e
 (N, H), the output layer's weight c (V, H) and targets t (N,): the loss, and the tensors whose
 gradients the step asks for. A peer that is not installed raises on ``make_peer`` (ImportError).
+
+The step's reductions (``make_step``): ``"mean"``, ``"none"`` (a per-token upstream gradient) and
+``"masked"``, Megatron's loss: per-token losses times a loss mask, summed and divided by the
+mask's count. Ours takes the mask with it (``fn.takes_loss_mask``: ``fn(e, c, t, "none",
+loss_mask)``) and can form its gradients in forward; the others compute per-token losses.
 """
 
 from __future__ import annotations
@@ -19,14 +24,16 @@ def make_ours(impl="triton", memory_budget=None, main_grad=False):
     such a trainer holds anyway, counts as an input."""
     from vocab_parallel_loss import linear_cross_entropy
 
-    def fn(e, c, t, red):
+    def fn(e, c, t, red, loss_mask=None):
         if main_grad and getattr(c, "main_grad", None) is None:
             c.main_grad = torch.zeros(c.shape, dtype=torch.float32, device=c.device)
             c.grad_added_to_main_grad = False
         return linear_cross_entropy(e, c, t, reduction=red, impl=impl,
                                     memory_budget=memory_budget,
-                                    gradient_accumulation_fusion=main_grad), \
+                                    gradient_accumulation_fusion=main_grad,
+                                    loss_mask=loss_mask), \
             (e,) if main_grad else (e, c)
+    fn.takes_loss_mask = True
     return fn
 
 
@@ -37,15 +44,17 @@ def make_ours_strategy(strategy):
     from vocab_parallel_loss import linear_cross_entropy
     from vocab_parallel_loss.kernels.linear import config as C
 
-    def fn(e, c, t, red):
-        if strategy == "grad_in_forward" and red == "none":
-            raise ValueError("grad_in_forward applies to scalar losses only")
+    def fn(e, c, t, red, loss_mask=None):
+        if strategy == "grad_in_forward" and red == "none" and loss_mask is None:
+            raise ValueError("grad_in_forward applies to scalar losses and masked ones only")
         saved = C.OVERRIDE_CONFIG
         C.OVERRIDE_CONFIG = C.default_config(e.device).replace(strategy=strategy)
         try:
-            return linear_cross_entropy(e, c, t, reduction=red, impl="triton"), (e, c)
+            return linear_cross_entropy(e, c, t, reduction=red, impl="triton",
+                                        loss_mask=loss_mask), (e, c)
         finally:
             C.OVERRIDE_CONFIG = saved
+    fn.takes_loss_mask = True
     return fn
 
 
@@ -157,9 +166,28 @@ def make_inputs(device, n: int, h: int, v: int, grad: bool = True):
     return e, c, t, up
 
 
+def loss_mask(t):
+    """The ``"masked"`` step's loss mask: every seventh token masked out (fp32, like Megatron's)."""
+    return (torch.arange(t.numel(), device=t.device) % 7 != 0).float().view(t.shape)
+
+
 def make_step(fn, e, c, t, red, up):
     """``step() -> (loss, gradients)`` of a peer ``fn``: backward under the upstream gradient
-    ``up`` for per-token losses, the implicit 1 for scalar ones."""
+    ``up`` for per-token losses, the implicit 1 for scalar ones; for ``"masked"`` the per-token
+    losses times ``loss_mask(t)``, summed and divided by its count, as Megatron-LM's loss
+    function and schedule do (the module docstring)."""
+    if red == "masked":
+        mask = loss_mask(t)
+
+        def step():
+            if getattr(fn, "takes_loss_mask", False):
+                loss, leaves = fn(e, c, t, "none", mask)
+            else:
+                loss, leaves = fn(e, c, t, "none")
+            total = torch.sum(loss.float().view(-1) * mask.view(-1)) / mask.sum()
+            return loss, torch.autograd.grad(total, leaves)
+        return step
+
     def step():
         loss, leaves = fn(e, c, t, red)
         g = up if red == "none" else None
