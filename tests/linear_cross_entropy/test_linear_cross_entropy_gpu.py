@@ -571,3 +571,101 @@ def test_autocast_keeps_fp32(impl, reduction):
     want, wgrads = _reference(e, c, b, t, up, reduction=reduction)
     torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
     _close_grads(grads, wgrads, 1e-4)
+
+
+MASKED = importlib.import_module("vocab_parallel_loss.ops.linear_cross_entropy.masked")
+
+
+def _masked_case(n, h, v):
+    """Megatron's loss on a per-token loss given its mask: the inputs, the mask (every 5th token
+    out), and a budget under which the saved logits do not fit and the gradients in forward do."""
+    e, c, b, t, up = _case(n, h, v)
+    mask = (torch.arange(n, device="cuda") % 5 != 0).float()
+    saved = K.saved_bytes(n, v, e.element_size(), K.default_config(e.device))
+    return e, c, t, mask, up, saved - 1
+
+
+@pytest.mark.parametrize("n,h,v", [(8192, 4096, 128256), (4096, 2048, 50257)])
+@pytest.mark.parametrize("upstream", ["mask/count", "k*mask", "random", "one-token-off", "nan"])
+def test_masked_grad_in_forward(n, h, v, upstream, monkeypatch):
+    """Megatron-sized per-token losses given their loss mask, under a budget that does not save
+    every tile: the gradients are formed in forward and used when the upstream gradient is k
+    times the mask; any other upstream gradient gets its exact gradient (the gated recompute);
+    no host sync either way (``set_sync_debug_mode("error")``)."""
+    e, c, t, mask, up, budget = _masked_case(n, h, v)
+    st = STRATEGY.choose_strategy(K, e.requires_grad_(), c.requires_grad_(), None, "none", False,
+                                  None, None, 0.0, budget, masked=True)
+    assert st.name == "grad_in_forward", st
+    g = {"mask/count": mask / mask.sum(), "k*mask": 0.37 * mask, "random": up}.get(upstream)
+    if upstream == "one-token-off":
+        g = (mask / mask.sum()).clone()
+        g[1] = torch.nextafter(g[1], torch.ones((), device="cuda"))
+    elif upstream == "nan":
+        g = (mask / mask.sum()).clone()
+        g[5] = float("nan")  # a kept target, masked out: its loss's gradient is NaN, not 0
+    taken = []
+    orig = MASKED.upstream_scale
+    monkeypatch.setattr(MASKED, "upstream_scale",
+                        lambda *a: (lambda r: taken.append(r[1]) or r)(orig(*a)))
+    leaves = [e.detach().requires_grad_(), c.detach().requires_grad_()]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = linear_cross_entropy(*leaves, t, reduction="none", loss_mask=mask, impl="triton",
+                                    memory_budget=budget)
+        grads = torch.autograd.grad(loss, leaves, g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert bool(taken[0]) == (upstream in ("mask/count", "k*mask"))
+    want, wgrads = _reference(e, c, None, t, torch.where(t != -100, g, 0.0), reduction="none")
+    torch.testing.assert_close(loss, want, atol=2e-4, rtol=2e-5)
+    if upstream == "nan":  # dE of that row and all of dC are NaN, as the reference's
+        assert torch.isnan(grads[0][5]).all() and torch.isnan(grads[1]).all()
+        rows = torch.arange(n, device="cuda") != 5
+        grads, wgrads = (grads[0][rows],), (wgrads[0][rows],)
+    _close_grads(grads, wgrads, 1e-2)
+
+
+@pytest.mark.parametrize("upstream", ["k*mask", "random"])
+def test_masked_cuda_graph_capture(upstream):
+    """The masked gradients in forward, and their gated fallback, capture into a CUDA graph."""
+    e, c, t, mask, up, budget = _masked_case(2048, 1024, 16032)
+    e = e.detach().requires_grad_()
+    c = c.detach().requires_grad_()
+    g = 0.37 * mask if upstream == "k*mask" else up
+
+    def step():
+        loss = linear_cross_entropy(e, c, t, reduction="none", loss_mask=mask, impl="triton",
+                                    memory_budget=budget)
+        return (loss, *torch.autograd.grad(loss, (e, c), g))
+
+    assert_capture_replays_eager(step)
+
+
+def test_masked_memory_within_the_budget():
+    """The gradients in forward for a loss mask, 16384 x 4096 x 128256 bf16 at the default
+    2 GiB: forward and backward (the gated fallback's chunk included) hold at most the
+    budget beyond the inputs and the gradients returned (32 MiB slack)."""
+    n, h, v = 16384, 4096, 128256
+    e, c, t, mask, _, _ = _masked_case(n, h, v)
+    e = e.detach().requires_grad_()
+    c = c.detach().requires_grad_()
+    st = STRATEGY.choose_strategy(K, e, c, None, "none", False, None, None, 0.0, None, masked=True)
+    assert st.name == "grad_in_forward", st
+    g = mask / mask.sum()
+    for _ in range(2):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = linear_cross_entropy(e, c, t, reduction="none", loss_mask=mask, impl="triton")
+        torch.cuda.synchronize()
+        fwd_peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        de, dc = torch.autograd.grad(loss, (e, c), g)
+        torch.cuda.synchronize()
+        bwd_peak = torch.cuda.max_memory_allocated() - base
+        returned = (de.numel() + dc.numel()) * 2
+        del de, dc, loss
+    limit = STRATEGY.DEFAULT_MEMORY_BUDGET + 32 * 2**20
+    assert fwd_peak - returned <= limit and bwd_peak - returned <= limit, (
+        fwd_peak / 2**30, bwd_peak / 2**30)
