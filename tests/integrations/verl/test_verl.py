@@ -16,9 +16,12 @@ from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_e
 def test_verl_signature_and_reductions():
     import inspect
 
-    params = list(inspect.signature(verl_linear_cross_entropy).parameters)
+    sig = inspect.signature(verl_linear_cross_entropy).parameters
+    params = [n for n, p in sig.items() if p.kind != p.KEYWORD_ONLY]
     assert params == ["hidden", "weight", "labels", "temperature", "reduction",
                       "dist_process_group"]
+    # this package's options come after verl's, keyword only, with defaults
+    assert all(p.default is not p.empty for p in sig.values() if p.kind == p.KEYWORD_ONLY)
     g = torch.Generator().manual_seed(4)
     h, w = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
     labels = torch.randint(0, 33, (9,), generator=g)
@@ -45,6 +48,19 @@ def test_verl_temperature_shaped_like_labels():
     torch.testing.assert_close(ent.double(), want_ent, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="temperature"):
         verl_linear_cross_entropy(h, w, labels, temp.t())
+
+
+def test_verl_fp32_head_with_bf16_hidden(impl):
+    """An fp32 LM head: fp32 weight, bf16 hidden states as the actor gives them; fp32-class
+    log-probs and entropy of the hidden states as given, on each backend."""
+    g = torch.Generator().manual_seed(8)
+    h, w = torch.randn(2, 9, 16, generator=g).bfloat16(), torch.randn(75, 16, generator=g) * 0.3
+    labels = torch.randint(0, 75, (2, 9), generator=g)
+    lp, ent = verl_linear_cross_entropy(h, w, labels, 0.9)
+    want_lp, want_ent, _ = oracle(h.reshape(18, 16).double() @ w.double().t(),
+                                  labels.reshape(-1), 0.9)
+    assert (lp.double() - want_lp).abs().max() < 2e-5
+    assert (ent.double() - want_ent).abs().max() < 2e-5
 
 
 def test_verl_unusable_temperature(impl):
