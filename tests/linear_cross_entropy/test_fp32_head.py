@@ -121,3 +121,15 @@ def test_argument_checks(op):
         call(e.float(), c.bfloat16(), t)
     with pytest.raises(ValueError, match="bias dtype"):
         call(e, c, t, b.bfloat16())
+
+
+def test_module_takes_fp32_precision():
+    from vocab_parallel_loss import VocabParallelLinearCrossEntropy
+
+    e, c, b, t = _inputs(seed=4)
+    mod = VocabParallelLinearCrossEntropy(impl="torch", fp32_precision="tf32")
+    assert "fp32_precision='tf32'" in repr(mod)
+    ref, _ = reference_grads(e, c, t, b)
+    assert (mod(e, c, t, b).double() - ref).abs() < 1e-3
+    with pytest.raises(ValueError, match="fp32_precision"):
+        VocabParallelLinearCrossEntropy(fp32_precision="bf16")
