@@ -194,7 +194,42 @@ def check_checkpoint(ps):
     other.load_state_dict(torch.load(blob))
     loaded = other_inner.output_layer.weight
     assert loaded.dtype == torch.float32 and torch.equal(loaded, inner.output_layer.weight)
+    other.half()  # fp16 too
+    assert loaded.dtype == torch.float32
+    assert {p.dtype for n, p in other_inner.named_parameters() if n != "output_layer.weight"} == {torch.float16}
     return {}
+
+
+def check_mtp(ps):
+    """Multi-token prediction heads on the fp32 head (bf16 model): the fused path's main loss,
+    logged head losses and output-weight gradient equal the unfused path's (fp32 logits)."""
+    import dataclasses
+
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    from tests.integrations.megatron._worker import build_mtp, tiny_config
+
+    if "mtp_num_layers" not in {f.name for f in dataclasses.fields(tiny_config())}:
+        return {"skipped": "this megatron-core has no multi-token prediction"}
+    tokens, pos, labels, upstream = labels_and_upstream()
+    labels[labels < 0] = 0
+    results = []
+    for fused in (True, False):
+        inner = build_mtp(fp32_head_config(fused=fused), tied=False, sequence_parallel=False)
+        model = to_bf16(inner)
+        assert inner.output_layer.weight.dtype == torch.float32
+        MTPLossLoggingHelper.tracker.clear()
+        with cpu_sequence_parallel():  # megatron-core's MTP gathers onto torch.cuda.current_device()
+            loss = model(tokens, pos, None, labels=labels, loss_mask=torch.ones(BATCH, SEQ))
+            logged = MTPLossLoggingHelper.tracker["values"].clone()
+            (loss * upstream).sum().backward()
+        results.append((loss.detach(), logged, inner.output_layer.weight.grad.clone()))
+    MTPLossLoggingHelper.tracker.clear()
+    (loss, logged, dw), (ref, ref_logged, ref_dw) = results
+    out = {"loss_err": err(loss, ref), "logged_err": err(logged, ref_logged),
+           "dw_rel_err": err(dw, ref_dw) / ref_dw.abs().max().item()}
+    assert out["loss_err"] <= 1e-5 and out["logged_err"] <= 1e-5 and out["dw_rel_err"] <= 1e-4, out
+    return out
 
 
 def check_errors(ps):
@@ -277,6 +312,7 @@ CHECKS = {
     "checkpoint": check_checkpoint,
     "errors": check_errors,
     "output_processor": check_output_processor,
+    "mtp": check_mtp,
 }
 
 
