@@ -55,9 +55,10 @@ def fused_linear_loss(
     parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
     does). ``weight`` is the one megatron-core would pass the output layer (the embedding's when
     tied); an fp32 weight takes 16-bit hidden states as they are (an fp32 head, with the
-    config's ``fp32_precision``). MuP's output multiplier is applied as megatron-core applies it to the logits. With
-    the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the weight (DDP's), the
-    weight's gradient is added into ``main_grad``, as the output layer would add it.
+    config's ``fp32_precision``). MuP's output multiplier is applied as megatron-core applies it
+    to the logits. With the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the
+    weight (DDP's), the weight's gradient is added into ``main_grad``, as the output layer would
+    add it.
     """
     from .. import linear_cross_entropy
 

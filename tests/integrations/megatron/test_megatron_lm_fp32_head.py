@@ -81,7 +81,8 @@ def test_megatron_lm_bf16_run_keeps_an_fp32_head(runs, gen, name):
     training lowers the loss, moves the weight, and leaves it fp32."""
     r = _run(runs, gen, name)
     assert r["ok"], r.get("error")
-    assert r["megatron_core"].startswith(runs[gen]["version"]), "the snapshot's megatron-core must shadow the installed one"
+    assert r["megatron_core"].startswith(runs[gen]["version"]), \
+        "the snapshot's megatron-core must shadow the installed one"
     assert r["wrapper"] == "Float16Module" and r["fused_linear"] is name.endswith("_fused")
     assert r["output_weight_dtype"] == "torch.float32" and r["other_dtypes"] == ["torch.bfloat16"]
     assert r["weight_grad_dtype"] == "torch.float32" and r["step0_loss_err"] <= 2e-5
