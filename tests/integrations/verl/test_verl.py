@@ -85,8 +85,8 @@ def test_verl_unusable_temperature(impl):
 
 
 def test_megatron_output_processor_passes_its_context(monkeypatch):
-    # the context's temperature ([b, s] -> the hidden states' [s, b]), ignore index and memory
-    # budget reach linear_token_logprobs; the outputs come back [b, s]
+    # the context's temperature ([b, s] -> the hidden states' [s, b]), ignore index, memory
+    # budget and fp32_precision reach linear_token_logprobs; the outputs come back [b, s]
     from types import SimpleNamespace
 
     from vocab_parallel_loss.verl import _megatron
@@ -104,8 +104,10 @@ def test_megatron_output_processor_passes_its_context(monkeypatch):
     out = _megatron.output_processor(
         hidden_states=torch.zeros(5, 2, 4), output_layer=SimpleNamespace(weight=torch.zeros(7, 4),
                                                                          tp_group="tp"),
-        labels=labels, context={"temperature": temp, "ignore_index": -1, "memory_budget": 123})
+        labels=labels, context={"temperature": temp, "ignore_index": -1, "memory_budget": 123,
+                                "fp32_precision": "tf32"})
     assert seen["memory_budget"] == 123 and seen["ignore_index"] == -1 and seen["tp_group"] == "tp"
+    assert seen["fp32_precision"] == "tf32"
     assert torch.equal(seen["temperature"], temp.t()) and torch.equal(seen["target"], labels.t())
     assert out["log_probs"].shape == (2, 5) and torch.all(out["entropy"] == 2)
 
