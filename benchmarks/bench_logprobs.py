@@ -17,6 +17,10 @@ Reported per implementation: the median time, the peak memory above the inputs (
 gradients it leaves), and the largest error of the log-probs, the entropy and dE against an
 fp32 reference computed from fp32 logits of the same bf16 inputs.
 
+``--fp32-head`` measures the fp32-head table instead (``harness/fp32_head.py``): fp32 weights
+with fp32 or bf16 hidden states, ours at each ``fp32_precision`` beside PyTorch in fp32 with
+TF32 off and on and verl fed fp32 inputs, forward only and forward + backward.
+
 ``--smoke-cpu`` runs tiny shapes on the CPU (plumbing only; the Triton kernels need
 TRITON_INTERPRET=1 there).
 """
@@ -31,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import env  # noqa: E402
+from harness import env, fp32_head  # noqa: E402
 from harness.errors import logprobs_reference, max_abs_diff, rel_max_diff  # noqa: E402
 from harness.peers.logprobs import (  # noqa: E402
     GiB, TEMPERATURE, load_liger, load_verl, ours, ours_at, torch_chunked, torch_plain)
@@ -130,10 +134,14 @@ def main():
     ap.add_argument("--rep", type=float, default=200)
     ap.add_argument("--out", default=str(env.RESULTS / "logprobs_h200"))
     ap.add_argument("--smoke-cpu", action="store_true")
+    ap.add_argument("--fp32-head", action="store_true",
+                    help="the fp32-head table (harness/fp32_head.py) instead")
     args = ap.parse_args()
     if args.smoke_cpu:
         args.n, args.hidden, args.vocab = 37, 16, [53]
     dev = Device("cpu" if args.smoke_cpu else "cuda")
+    if args.fp32_head:
+        return run_fp32_head(dev, args)
     impls = [("ours", ours)] + [ours_at(g) for g in args.budgets]
     if args.verl_dir:
         try:
@@ -153,6 +161,24 @@ def main():
     meta = dict(env.environment(dev), n=args.n, hidden=args.hidden, vocab=args.vocab)
     report = {"meta": meta, "rows": rows}
     for path in write_report(Path(args.out), report, markdown(report)):
+        env.log(f"wrote {path}")
+
+
+def run_fp32_head(dev, args):
+    verl = None
+    if args.verl_dir:
+        try:
+            verl = load_verl(args.verl_dir)
+        except Exception as e:  # noqa: BLE001
+            env.log(f"verl not loaded: {type(e).__name__}: {e}")
+    rows = []
+    for v in args.vocab:
+        rows += fp32_head.run_vocab(dev, v, args, verl)
+    meta = dict(env.environment(dev), n=args.n, hidden=args.hidden, vocab=args.vocab)
+    report = {"meta": meta, "rows": rows}
+    out = Path(args.out)
+    for path in write_report(out.with_name(out.name + "_fp32_head"), report,
+                             fp32_head.markdown(report)):
         env.log(f"wrote {path}")
 
 

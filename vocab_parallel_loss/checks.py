@@ -11,6 +11,11 @@ REDUCTIONS = ("none", "mean", "sum")
 #: ``impl`` values of the fused linear ops
 IMPLS = ("auto", "triton", "torch")
 
+#: ``fp32_precision`` of the fused linear ops: the products where the weight (or hidden states)
+#: are fp32. ``"fp32"``: split products on the tensor cores, fp32-class error; ``"tf32"``: one
+#: TF32 product each, faster, with TF32-class error (10-bit mantissas).
+FP32_PRECISIONS = ("fp32", "tf32")
+
 #: target dtypes used as they are; the kernels read them and widen in registers
 WIDE_TARGETS = (torch.int64, torch.int32)
 #: narrower integer targets, widened to int64 once at the entry: compared in their own dtype,
@@ -153,6 +158,25 @@ def check_group(group, name: str = "tp_group") -> None:
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise TypeError(f"{name} must be None or a torch.distributed.ProcessGroup, got "
                         f"{type(group).__name__} {shown}")
+
+
+def check_fp32_precision(fp32_precision) -> None:
+    if not isinstance(fp32_precision, str) or fp32_precision not in FP32_PRECISIONS:
+        raise ValueError(f"fp32_precision must be one of {FP32_PRECISIONS}, got "
+                         f"{fp32_precision!r}")
+
+
+def check_linear_dtypes(e: torch.Tensor, c: torch.Tensor, bias, e_name: str = "e",
+                        c_name: str = "c") -> None:
+    """One dtype for the hidden states ``e`` and the classifier rows ``c``, or 16-bit hidden
+    states with fp32 rows (an fp32 LM head: the products are those of ``e`` cast to fp32,
+    without the copy). ``bias`` takes the dtype of ``c``."""
+    head = c.dtype == torch.float32 and e.dtype in (torch.bfloat16, torch.float16)
+    if e.dtype != c.dtype and not head:
+        raise ValueError(f"{e_name} and {c_name} must have the same dtype, or {e_name} 16-bit "
+                         f"with {c_name} fp32 (an fp32 head); got {e.dtype} and {c.dtype}")
+    if bias is not None and bias.dtype != c.dtype:
+        raise ValueError(f"bias dtype {bias.dtype} differs from {c_name}'s {c.dtype}")
 
 
 def check_impl(impl) -> None:

@@ -80,6 +80,7 @@ def linear_cross_entropy(
     memory_budget: Optional[float] = None,
     gradient_accumulation_fusion: bool = False,
     loss_mask: Optional[torch.Tensor] = None,
+    fp32_precision: str = "fp32",
 ):
     """Cross entropy of ``e @ c.T (+ bias)`` over the full (TP-sharded) vocabulary, fused.
 
@@ -90,7 +91,9 @@ def linear_cross_entropy(
         ``tp_group`` (Megatron's output-layer layout ``[s, b, h]``). Ranks holding other numbers
         of rows raise ``ValueError`` (``communication.check_shapes``).
     c : ``(V_local, H)`` this rank's classifier rows; rank ``r`` holds global classes
-        ``[r * V_local, (r + 1) * V_local)``. Same dtype and device as ``e``.
+        ``[r * V_local, (r + 1) * V_local)``. Same dtype and device as ``e``, or fp32 with
+        16-bit ``e`` (an fp32 head: computed as for ``e`` cast to fp32, without that copy;
+        the gradient of ``e`` comes back in ``e``'s dtype).
     targets : integer tensor with ``e``'s (gathered) leading shape, global class ids; the same
         on every rank.
     bias : optional ``(V_local,)``.
@@ -121,6 +124,10 @@ def linear_cross_entropy(
         not add them again), or no gradient where ``c`` lacks that attribute. Needs
         ``c.main_grad`` shaped like ``c``. Saves the ``(V_local, H)`` gradient in ``c``'s dtype
         and its rounding. Both backends.
+    fp32_precision : the products where ``c`` is fp32. ``"fp32"`` (fp32-class error, also under
+        autocast): the Triton kernels split the operands into parts the tensor cores multiply
+        exactly (``kernels/linear/common.py``), the PyTorch backend runs fp32 GEMMs with TF32
+        off; ``"tf32"``: TF32 products (10-bit mantissas), faster. No effect on 16-bit ``c``.
     loss_mask : with ``reduction="none"``, the weights the caller multiplies the per-token
         losses by (Megatron's loss mask; ``targets``' shape, any real dtype, not
         differentiated). The loss returned is unchanged. Where the saved logits do not fit the
@@ -144,7 +151,7 @@ def linear_cross_entropy(
     return _linear_cross_entropy.loss(e, c, targets, bias, ignore_index, softcap, reduction,
                                       shift, return_lse, tp_group, sequence_parallel,
                                       label_smoothing, z_loss, impl, memory_budget,
-                                      gradient_accumulation_fusion, loss_mask)
+                                      gradient_accumulation_fusion, loss_mask, fp32_precision)
 
 
 def token_logprobs(
@@ -202,6 +209,7 @@ def linear_token_logprobs(
     impl: str = "auto",
     memory_budget: Optional[int] = None,
     gradient_accumulation_fusion: bool = False,
+    fp32_precision: str = "fp32",
 ) -> TokenLogprobs:
     """``token_logprobs`` of the logits ``cap(logit_scale * (hidden @ weight.T + bias))``
     without materializing them: the Triton kernels form them tile by tile (the fused linear
@@ -224,9 +232,11 @@ def linear_token_logprobs(
     may hold from forward to backward, as for ``linear_cross_entropy`` (default 2 GiB; 0 for
     the least memory; with the saved-tiles strategy a second backward through the same outputs
     raises). ``gradient_accumulation_fusion``: the gradient of ``weight`` is added into
-    ``weight.main_grad`` instead of returned, as for ``linear_cross_entropy``.
+    ``weight.main_grad`` instead of returned, as for ``linear_cross_entropy``. ``weight`` may
+    be fp32 with 16-bit ``hidden`` (an fp32 LM head), and ``fp32_precision`` chooses its
+    products, as for ``linear_cross_entropy``.
     """
     return _linear_token_logprobs.logprobs(
         hidden, weight, target, bias, tp_group, sequence_parallel, temperature, ignore_index,
         return_entropy, return_argmax, vocab_range, softcap, logit_scale, impl, memory_budget,
-        gradient_accumulation_fusion)
+        gradient_accumulation_fusion, fp32_precision)

@@ -155,3 +155,25 @@ def test_bench_logprobs_smoke_cpu_writes_json_and_markdown(tmp_path):
     for r in impls.values():
         assert "error" not in r and r["err_logp"] < 1e-4 and r["err_de_rel"] < 1e-4
     assert "| ours |" in stem.with_suffix(".md").read_text()
+
+
+def test_bench_logprobs_fp32_head_smoke_cpu(tmp_path):
+    """The fp32-head table end to end on tiny CPU shapes: every row of both passes measured,
+    fp32-class errors against fp64 for every fp32-weight row."""
+    import json
+    import subprocess
+
+    stem = tmp_path / "lp"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_logprobs.py"), "--smoke-cpu",
+                           "--fp32-head", "--out", str(stem)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "lp_fp32_head"
+    report = json.loads(out.with_suffix(".json").read_text())
+    rows = report["rows"]
+    assert {r["pass"] for r in rows} == {"fwd", "fwd+bwd"}
+    for r in rows:
+        assert "error" not in r, r
+        if r["weight"] == "fp32":
+            assert r["err_logp"] < 2e-5 and r["err_entropy"] < 2e-5, r
+    assert "| ours, fp32_precision=fp32 |" in out.with_suffix(".md").read_text()

@@ -33,10 +33,15 @@ on the model's forward in ``forward_step``. Then ``--vocab-parallel-loss`` on th
 the logits are never materialized; multi-token prediction heads included). If the flag is
 parsed but the model that trains does not compute its loss with this package, the first forward
 raises :class:`VocabParallelLossNotWiredError` (:mod:`.guard`). megatron-core itself is not patched.
+
+``--vocab-parallel-loss-fp32-head`` (with ``--untie-embeddings-and-output-weights``) keeps the
+output layer's weight fp32 in a ``--bf16`` / ``--fp16`` run (:mod:`.fp32_head`); the wiring above
+does it, and with the output processor ``model_cfg.pre_wrap_hooks.append(keep_output_layer_fp32)``.
 """
 
 from .config import VocabParallelLossConfig
 from .flags import add_vocab_parallel_loss_args, with_vocab_parallel_loss_args
+from .fp32_head import keep_output_layer_fp32
 from .guard import VocabParallelLossNotWiredError
 from .model import (
     VocabParallelLossGPTModel,
@@ -54,6 +59,7 @@ __all__ = [
     "VocabParallelLossOutputProcessor",
     "add_vocab_parallel_loss_args",
     "attach_vocab_parallel_loss",
+    "keep_output_layer_fp32",
     "with_vocab_parallel_loss_args",
     "wrap_model_provider",
 ]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from .. import checks
 from ..ops.cross_entropy import contract as ce_contract
 from ..ops.linear_cross_entropy import contract as lce_contract
 
@@ -30,6 +31,13 @@ class VocabParallelLossConfig:
         and gradients (``linear_cross_entropy``'s ``memory_budget``; None: its default, 2 GiB).
     ignore_index : int
         Target value whose token gets loss 0 and gradient 0.
+    fp32_head : bool
+        Keep the output layer's weight fp32 in a bf16 / fp16 model (``fp32_head.py``): the fused
+        loss takes the 16-bit hidden states as they are, materialized logits are fp32. Needs
+        ``enabled`` and untied embeddings.
+    fp32_precision : str
+        The fused loss's products of the fp32 weight: ``"fp32"`` (fp32-class error) or
+        ``"tf32"`` (faster); ``linear_cross_entropy``'s ``fp32_precision``.
     """
 
     enabled: bool = False
@@ -39,6 +47,8 @@ class VocabParallelLossConfig:
     fused_linear: bool = False
     ignore_index: int = -100
     memory_budget_gib: Optional[float] = None
+    fp32_head: bool = False
+    fp32_precision: str = "fp32"
 
     def __post_init__(self) -> None:
         # the losses' own checks: the config accepts exactly what the losses accept
@@ -46,6 +56,9 @@ class VocabParallelLossConfig:
                                                       "none", self.z_loss)
         lce_contract.check_options(self.ignore_index, None, "none", 0, self.label_smoothing,
                                    self.z_loss, "auto", self.memory_budget_gib, False)
+        checks.check_fp32_precision(self.fp32_precision)
+        if self.fp32_head and not self.enabled:
+            raise ValueError("--vocab-parallel-loss-fp32-head (fp32_head) needs --vocab-parallel-loss (enabled)")
 
     @classmethod
     def from_args(cls, args: Any) -> "VocabParallelLossConfig":
@@ -63,6 +76,8 @@ class VocabParallelLossConfig:
             fused_linear=bool(get("vocab_parallel_loss_fused_linear", False)),
             ignore_index=int(get("vocab_parallel_loss_ignore_index", -100)),
             memory_budget_gib=get("vocab_parallel_loss_memory_budget", None),
+            fp32_head=bool(get("vocab_parallel_loss_fp32_head", False)),
+            fp32_precision=get("vocab_parallel_loss_fp32_precision", "fp32"),
         )
 
     @property

@@ -76,4 +76,18 @@ def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.Ar
         default=-100,
         help="Label value that contributes no loss and no gradient.",
     )
+    group.add_argument(
+        "--vocab-parallel-loss-fp32-head",
+        action="store_true",
+        help="Keep the output layer's weight fp32 in a --bf16 / --fp16 run (RL: log-probs like an "
+             "inference engine's fp32 LM head); the fused loss takes the 16-bit hidden states as "
+             "they are, materialized logits are fp32. Needs --untie-embeddings-and-output-weights.",
+    )
+    group.add_argument(
+        "--vocab-parallel-loss-fp32-precision",
+        choices=("fp32", "tf32"),
+        default="fp32",
+        help="Products of the fp32 output weight in the fused loss: fp32 (fp32-class error) or "
+             "tf32 (faster, 10-bit mantissas).",
+    )
     return parser

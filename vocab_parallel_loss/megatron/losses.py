@@ -55,9 +55,11 @@ def fused_linear_loss(
     ``hidden_states`` is ``[s, b, h]``, or this rank's ``[s/tp, b, h]`` under sequence
     parallelism (gathered inside the loss, its gradient reduce-scattered, as the output layer
     does). ``weight`` is the one megatron-core would pass the output layer (the embedding's when
-    tied); MuP's output multiplier is applied as megatron-core applies it to the logits. With
-    the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the weight (DDP's), the
-    weight's gradient is added into ``main_grad``, as the output layer would add it.
+    tied); an fp32 weight takes 16-bit hidden states as they are (an fp32 head, with the
+    config's ``fp32_precision``). MuP's output multiplier is applied as megatron-core applies it
+    to the logits. With the config's ``gradient_accumulation_fusion`` and a ``main_grad`` on the
+    weight (DDP's), the weight's gradient is added into ``main_grad``, as the output layer would
+    add it.
 
     ``loss_mask [b, s]``: the mask Megatron-LM's loss function multiplies the returned losses
     by (``GPTModel.forward``'s ``loss_mask``). The losses are returned unmasked, as without it;
@@ -69,7 +71,8 @@ def fused_linear_loss(
     bias: Optional[torch.Tensor] = getattr(output_layer, "bias", None)  # GPTModel's has none
     if bias is not None and getattr(output_layer, "skip_bias_add", False):
         bias = None  # megatron-core returns it apart and leaves it out of the logits
-    if hidden_states.dtype != weight.dtype:
+    fp32_head = weight.dtype == torch.float32 and hidden_states.dtype in (torch.bfloat16, torch.float16)
+    if hidden_states.dtype != weight.dtype and not fp32_head:  # an fp32 head takes them as they are
         hidden_states = hidden_states.to(weight.dtype)
     scale = _compat.output_logit_scale(config)
     if scale != 1.0:  # s * (e @ c.T + b) == (s * e) @ c.T + s * b
@@ -89,5 +92,6 @@ def fused_linear_loss(
         memory_budget=loss_config.memory_budget,
         gradient_accumulation_fusion=accumulates_into_main_grad(config, weight),
         loss_mask=loss_mask,
+        fp32_precision=loss_config.fp32_precision,
     )  # [s, b], fp32
     return loss.transpose(0, 1).contiguous()

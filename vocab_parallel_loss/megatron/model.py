@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, Optional, Type
 
 import torch
 
-from . import _compat, losses, mtp
+from . import _compat, fp32_head, losses, mtp
 from .config import VocabParallelLossConfig
 
 _compat.require_megatron()
@@ -42,6 +42,8 @@ class VocabParallelLossMixin:
             )
         if loss_config.fused_linear:
             self._check_fused_linear_supported()
+        if loss_config.fp32_head:
+            fp32_head.keep_output_layer_fp32(self)
         self.vocab_parallel_loss = losses.loss_module(_compat.tp_group_of(self), loss_config)
         self._vpl_fused_linear = bool(loss_config.fused_linear and getattr(self, "post_process", True))
 

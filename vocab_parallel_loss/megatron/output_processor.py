@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _compat, losses
+from . import _compat, fp32_head, losses
 from .config import VocabParallelLossConfig
 
 
@@ -27,7 +27,9 @@ class VocabParallelLossOutputProcessor:
     ``loss_config=None`` reads the ``--vocab-parallel-loss*`` flags when Megatron-LM has parsed
     them, else enables the loss with defaults; it is resolved at first use, so the processor can be
     built before the arguments are parsed. Without ``--vocab-parallel-loss`` (``enabled=False``)
-    the loss is megatron-core's own.
+    the loss is megatron-core's own. Under ``fp32_head`` the model's output layer must have been
+    kept fp32 before Float16Module (``keep_output_layer_fp32`` as a ``pre_wrap_hooks`` entry):
+    a 16-bit output weight raises.
     """
 
     def __init__(self, loss_config: Optional[VocabParallelLossConfig] = None):
@@ -59,6 +61,8 @@ class VocabParallelLossOutputProcessor:
         cfg = self.loss_config
         model = getattr(compute_language_model_loss, "__self__", None)
         weight = output_weight if output_weight is not None else output_layer.weight
+        if cfg.fp32_head:
+            fp32_head.check_fp32_weight(weight, "VocabParallelLossOutputProcessor")
         if labels is not None and cfg.enabled and cfg.fused_linear:
             return losses.fused_linear_loss(hidden_states, weight, labels, output_layer=output_layer,
                                             config=config, loss_config=cfg, tp_group=_compat.tp_group_of(model),

@@ -8,13 +8,14 @@ backend for float64 inputs.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from ..formulas import LOG_UNDERFLOW, LogprobArgs, compute_dtype, merge_logprob_stats
 from ..layout import RowView
-from ..runtime import no_autocast
+from ..runtime import compiling, no_autocast
 from . import logprobs as rows
 
 #: Bytes of fp32 logits the ``"torch"`` implementation keeps alive at once (one row chunk).
@@ -25,12 +26,29 @@ TORCH_CHUNK_BYTES = 64 * 1024 * 1024
 LOGPROB_CHUNK_BYTES = 128 * 1024 * 1024
 
 
+@contextlib.contextmanager
+def _fp32_matmuls(device: torch.device, precision):
+    """fp32 GEMMs on CUDA in IEEE fp32 (``"fp32"``) or TF32 (``"tf32"``) whatever PyTorch's
+    global setting, restored after (``set_float32_matmul_precision`` works alongside either of
+    PyTorch's TF32 flags). A traced graph keeps the setting it was compiled under."""
+    if device.type != "cuda" or compiling():
+        yield
+        return
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+
+
 def _own_precision(fn):
     """``fn(cls, e, ...)`` with autocast off on ``e``'s device: the GEMMs run in the backend's
-    fp32 (fp64), as the Triton kernels do, not in autocast's bf16 or fp16."""
+    fp32 (fp64), as the Triton kernels do, not in autocast's bf16 or fp16; fp32 GEMMs in the
+    call's ``precision`` (``checks.FP32_PRECISIONS``)."""
     @functools.wraps(fn)
-    def run(cls, e, *args, **kw):
-        with no_autocast(e.device):
+    def run(cls, e, *args, precision=None, **kw):
+        with no_autocast(e.device), _fp32_matmuls(e.device, precision):
             return fn(cls, e, *args, **kw)
     return run
 

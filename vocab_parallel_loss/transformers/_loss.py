@@ -32,6 +32,7 @@ def causal_lm_loss(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     memory_budget: Optional[float] = None,
+    fp32_precision: str = "fp32",
 ) -> torch.Tensor:
     """Loss of ``softcap(hidden_states @ weight.T + bias)`` against the shifted labels.
 
@@ -77,6 +78,7 @@ def causal_lm_loss(
         reduction=inner,
         impl=impl,
         memory_budget=memory_budget,
+        fp32_precision=fp32_precision,
         **extra,
     )
     if reduction == "none":

@@ -101,6 +101,7 @@ class PatchOptions:
     label_smoothing: float = 0.0
     z_loss: float = 0.0
     memory_budget: Optional[float] = None
+    fp32_precision: str = "fp32"
 
 
 def _unsupported(what: str) -> ValueError:
@@ -241,6 +242,7 @@ def _make_forward(original: Callable, signature_of: Callable, options: PatchOpti
             label_smoothing=options.label_smoothing,
             z_loss=options.z_loss,
             memory_budget=options.memory_budget,
+            fp32_precision=options.fp32_precision,
         )
         return _with_loss(out, _plus_router_loss(self, out, loss, options.reduction), return_dict)
 
@@ -292,10 +294,11 @@ def _is_stub_output(value) -> bool:
 
 
 def _check_options(reduction, impl, train_only, label_smoothing, z_loss,
-                   memory_budget) -> PatchOptions:
+                   memory_budget, fp32_precision="fp32") -> PatchOptions:
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     checks.check_memory_budget(memory_budget)
+    checks.check_fp32_precision(fp32_precision)
     return PatchOptions(
         reduction=reduction,
         impl=impl,
@@ -303,6 +306,7 @@ def _check_options(reduction, impl, train_only, label_smoothing, z_loss,
         label_smoothing=float(label_smoothing),
         z_loss=float(z_loss),
         memory_budget=memory_budget,
+        fp32_precision=fp32_precision,
     )
 
 
@@ -325,6 +329,7 @@ def patch(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     memory_budget: Optional[float] = None,
+    fp32_precision: str = "fp32",
 ):
     """Make a causal LM compute its training loss with ``linear_cross_entropy``.
 
@@ -342,10 +347,14 @@ def patch(
     original forward (with logits) in eval mode, e.g. for metrics that need logits.
     ``label_smoothing`` and ``z_loss`` are extras transformers' loss does not have (0 = off).
     ``memory_budget``: ``linear_cross_entropy``'s (bytes; None: its default, 2 GiB).
+    An fp32 ``lm_head`` in a bf16 or fp16 model (``model.lm_head.float()``: an fp32 LM head)
+    takes the hidden states as they are, with fp32-class products (``fp32_precision="fp32"``)
+    or TF32 ones (``"tf32"``), without an fp32 copy of them.
 
     Returns the patched model (or, for a type string, the patched class).
     """
-    options = _check_options(reduction, impl, train_only, label_smoothing, z_loss, memory_budget)
+    options = _check_options(reduction, impl, train_only, label_smoothing, z_loss, memory_budget,
+                             fp32_precision)
     if isinstance(model_or_model_type, str):
         model_type = model_or_model_type
         if model_type not in _FAMILIES:

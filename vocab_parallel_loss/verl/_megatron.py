@@ -13,7 +13,11 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
 
     ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0;
     ``linear_token_logprobs``' rule: a float <= 0 raises, a tensor's unusable entries give NaN),
-    ``ignore_index`` (default -100) and ``memory_budget`` (bytes, ``linear_token_logprobs``'s).
+    ``ignore_index`` (default -100), ``memory_budget`` (bytes, ``linear_token_logprobs``'s) and
+    ``fp32_precision`` (``"fp32"`` default, or ``"tf32"``: the products of an fp32 output weight).
+    An fp32 output weight (an fp32 LM head, kept fp32 through Float16Module by
+    ``vocab_parallel_loss.megatron.keep_output_layer_fp32``) takes the 16-bit hidden states as
+    they are.
     The hidden states arrive ``[s, b, h]`` (sequence-sharded under sequence parallelism); the
     classifier is the output layer's weight shard (or the shared embedding weight that
     megatron-core passes as ``output_weight``). Under the config's
@@ -42,6 +46,7 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
                                 ignore_index=ctx.get("ignore_index", -100), return_entropy=True,
                                 memory_budget=ctx.get("memory_budget"),
                                 logit_scale=output_logit_scale(config),
+                                fp32_precision=ctx.get("fp32_precision", "fp32"),
                                 gradient_accumulation_fusion=accumulates_into_main_grad(
                                     config, weight))
     return {"log_probs": out.log_probs.t(), "entropy": out.entropy.t()}

@@ -471,3 +471,28 @@ def test_wrapped_models_are_patched_through():
     assert calls == [True]  # the hooked forward ran, with labels=None
     vh.unpatch(wrapper)
     assert model.forward is hooked_forward
+
+
+@pytest.mark.parametrize("fp32_precision", ["fp32", "tf32"])
+def test_fp32_lm_head_in_a_bf16_model(fp32_precision):
+    """An fp32 lm_head in a bf16 model (an fp32 LM head, as RL trainers keep it): the patched
+    loss equals the unpatched model's with the head's input cast to fp32 (the frameworks' way),
+    without that cast; the head's gradient stays fp32."""
+    model = make_model("llama").to(torch.bfloat16)
+    model.lm_head.float()
+    ids, mask, labels = make_batch()
+    hook = model.lm_head.register_forward_pre_hook(lambda mod, args: (args[0].float(),))
+    ref, ref_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    hook.remove()
+    vh.patch(model, impl="torch", fp32_precision=fp32_precision)
+    got, got_grads = _loss_and_grads(model, input_ids=ids, labels=labels)
+    assert abs(got.loss.item() - ref.loss.item()) <= 1e-5 * abs(ref.loss.item())
+    head = [n for n in ref_grads if n.startswith("lm_head")]
+    assert head
+    for name in ref_grads:
+        assert got_grads[name].dtype == ref_grads[name].dtype, name
+        err = (got_grads[name].float() - ref_grads[name].float()).norm()
+        tol = 1e-4 if name in head else 5e-2
+        assert err <= tol * ref_grads[name].float().norm() + 1e-6, name
+    with pytest.raises(ValueError, match="fp32_precision"):
+        vh.patch(make_model("llama"), fp32_precision="fast")

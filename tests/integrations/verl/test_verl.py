@@ -16,9 +16,12 @@ from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_e
 def test_verl_signature_and_reductions():
     import inspect
 
-    params = list(inspect.signature(verl_linear_cross_entropy).parameters)
+    sig = inspect.signature(verl_linear_cross_entropy).parameters
+    params = [n for n, p in sig.items() if p.kind != p.KEYWORD_ONLY]
     assert params == ["hidden", "weight", "labels", "temperature", "reduction",
                       "dist_process_group"]
+    # this package's options come after verl's, keyword only, with defaults
+    assert all(p.default is not p.empty for p in sig.values() if p.kind == p.KEYWORD_ONLY)
     g = torch.Generator().manual_seed(4)
     h, w = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
     labels = torch.randint(0, 33, (9,), generator=g)
@@ -47,6 +50,19 @@ def test_verl_temperature_shaped_like_labels():
         verl_linear_cross_entropy(h, w, labels, temp.t())
 
 
+def test_verl_fp32_head_with_bf16_hidden(impl):
+    """An fp32 LM head: fp32 weight, bf16 hidden states as the actor gives them; fp32-class
+    log-probs and entropy of the hidden states as given, on each backend."""
+    g = torch.Generator().manual_seed(8)
+    h, w = torch.randn(2, 9, 16, generator=g).bfloat16(), torch.randn(75, 16, generator=g) * 0.3
+    labels = torch.randint(0, 75, (2, 9), generator=g)
+    lp, ent = verl_linear_cross_entropy(h, w, labels, 0.9)
+    want_lp, want_ent, _ = oracle(h.reshape(18, 16).double() @ w.double().t(),
+                                  labels.reshape(-1), 0.9)
+    assert (lp.double() - want_lp).abs().max() < 2e-5
+    assert (ent.double() - want_ent).abs().max() < 2e-5
+
+
 def test_verl_unusable_temperature(impl):
     # a float <= 0 raises naming it; a per-token tensor gives those tokens NaN log-prob and
     # entropy, the other tokens their values
@@ -69,8 +85,8 @@ def test_verl_unusable_temperature(impl):
 
 
 def test_megatron_output_processor_passes_its_context(monkeypatch):
-    # the context's temperature ([b, s] -> the hidden states' [s, b]), ignore index and memory
-    # budget reach linear_token_logprobs; the outputs come back [b, s]
+    # the context's temperature ([b, s] -> the hidden states' [s, b]), ignore index, memory
+    # budget and fp32_precision reach linear_token_logprobs; the outputs come back [b, s]
     from types import SimpleNamespace
 
     from vocab_parallel_loss.verl import _megatron
@@ -88,8 +104,10 @@ def test_megatron_output_processor_passes_its_context(monkeypatch):
     out = _megatron.output_processor(
         hidden_states=torch.zeros(5, 2, 4), output_layer=SimpleNamespace(weight=torch.zeros(7, 4),
                                                                          tp_group="tp"),
-        labels=labels, context={"temperature": temp, "ignore_index": -1, "memory_budget": 123})
+        labels=labels, context={"temperature": temp, "ignore_index": -1, "memory_budget": 123,
+                                "fp32_precision": "tf32"})
     assert seen["memory_budget"] == 123 and seen["ignore_index"] == -1 and seen["tp_group"] == "tp"
+    assert seen["fp32_precision"] == "tf32"
     assert torch.equal(seen["temperature"], temp.t()) and torch.equal(seen["target"], labels.t())
     assert out["log_probs"].shape == (2, 5) and torch.all(out["entropy"] == 2)
 

@@ -1,5 +1,6 @@
-"""Helpers the kernel files of the fused linear loss share: operand handling for ``tl.dot``
-under the interpreter, the dot precision per dtype, the tile-size check, a portable tanh, and
+"""Helpers the kernel files of the fused linear loss share: the products of ``tl.dot`` per
+operand dtype and precision (split products for fp32 operands), operand handling under the
+interpreter, the tile-size check, a portable tanh, and
 the arguments of the kernels' log-prob mode (``formulas.LogprobArgs``)."""
 
 from __future__ import annotations
@@ -19,15 +20,83 @@ LOG_UNDERFLOW = tl.constexpr(formulas.LOG_UNDERFLOW)
 LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
-def upcast(dtype: torch.dtype) -> bool:
+def upcast() -> bool:
     # Triton's interpreter (3.9) feeds bf16 operands of tl.dot to numpy as their raw uint16 bits;
-    # upcasting first is exact (bf16 x bf16 products fit fp32), as the tensor cores compute.
-    return dtype == torch.bfloat16 and settings.interpreting()
+    # upcasting first is exact (16-bit x 16-bit products fit fp32), as the tensor cores compute.
+    return settings.interpreting()
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    # fp32 inputs: full precision ("tf32" would silently drop 13 mantissa bits on the GPU).
-    return "ieee" if dtype == torch.float32 else "tf32"
+#: The split product for two fp32 operands under ``"fp32"`` (``tl.dot``'s ``input_precision``)
+FP32_SPLIT = "tf32x3"
+
+
+def dot_mode(a: torch.dtype, b: torch.dtype, precision: str = "fp32") -> str:
+    """The ``DOT`` constexpr of ``dot`` for operands of dtypes ``a`` and ``b`` and the call's
+    ``precision`` (``checks.FP32_PRECISIONS``).
+
+    Two 16-bit operands: one tensor-core product (the string is not read). An fp32 operand
+    under ``"tf32"``: TF32 products. Under ``"fp32"``: a bf16 operand and an fp32 one take
+    ``"w3"`` (the fp32 one split into three bf16 parts, hi + mid + lo, which hold its 24-bit
+    significand: three bf16 products, each exact in the fp32 accumulator); otherwise both
+    operands in fp32 with ``FP32_SPLIT`` (the interpreter computes fp32 products itself).
+    """
+    wide = torch.float32 in (a, b)
+    if not wide:
+        return "tf32"
+    if precision == "tf32":
+        return "tf32"
+    if {a, b} == {torch.bfloat16, torch.float32}:
+        return "w3"
+    return "ieee" if settings.interpreting() else FP32_SPLIT
+
+
+def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The dtype of the logits' gradient tiles and saved tiles for hidden states of dtype ``a``
+    and classifier rows of dtype ``b``: fp32 when either is (an fp32 head keeps fp32-class
+    gradients), else the shared 16-bit dtype."""
+    return torch.float32 if torch.float32 in (a, b) else a
+
+
+@triton.jit
+def _split3(x):
+    """fp32 ``x`` as three bf16 parts ``hi + mid + lo``: 24 significand bits, x's own."""
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
+
+
+@triton.jit
+def _part(x, UPCAST: tl.constexpr):
+    if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
+        return x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``). In ``"w3"`` the fp32
+    operand is split (``_split3``) and its parts multiplied smallest first."""
+    if DOT == "w3":
+        if a.dtype == tl.float32:
+            hi, mid, lo = _split3(a)
+            b = _part(b, UPCAST)
+            acc = tl.dot(_part(lo, UPCAST), b, acc)
+            acc = tl.dot(_part(mid, UPCAST), b, acc)
+            acc = tl.dot(_part(hi, UPCAST), b, acc)
+        else:
+            hi, mid, lo = _split3(b)
+            a = _part(a, UPCAST)
+            acc = tl.dot(a, _part(lo, UPCAST), acc)
+            acc = tl.dot(a, _part(mid, UPCAST), acc)
+            acc = tl.dot(a, _part(hi, UPCAST), acc)
+    else:
+        if a.dtype != b.dtype:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(_part(a, UPCAST), _part(b, UPCAST), acc, input_precision=DOT)
+    return acc
 
 
 def check_tiles(*blocks: int) -> None:

@@ -70,6 +70,10 @@ class LCEConfig:
     fwd_desc: bool = False
     bwd_desc: bool = False
     fwd_flat: bool = False
+    wide_block_h: int = 32  # the H step (and the Triton GEMM's K step) when an operand is fp32:
+    # the pipeline's stages of fp32 tiles must fit in shared memory
+    fp32_precision: str = "fp32"  # the products of fp32 operands (``common.dot_mode``): the
+    # call's option, set on its config by ``default_config``
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
@@ -92,7 +96,7 @@ INTERPRET_CONFIG = LCEConfig(
     mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
-    gif_rows=16, row_block=16, row_warps=4,
+    gif_rows=16, row_block=16, row_warps=4, wide_block_h=16,
 )
 
 #: Values of ``LCEConfig.strategy``.
@@ -103,9 +107,10 @@ STRATEGIES = ("auto", "saved", "grad_in_forward", "recompute")
 OVERRIDE_CONFIG: Optional[LCEConfig] = None
 
 
-def default_config(device: torch.device) -> LCEConfig:
+def default_config(device: torch.device, fp32_precision: Optional[str] = None) -> LCEConfig:
     """The configuration a call on ``device`` uses: ``OVERRIDE_CONFIG`` or the device's table,
-    with the fields of ``VPL_LCE_CONFIG`` applied on top."""
+    with the fields of ``VPL_LCE_CONFIG`` applied on top, and the call's ``fp32_precision``
+    when given."""
     if OVERRIDE_CONFIG is not None:
         cfg = OVERRIDE_CONFIG
     elif device.type != "cuda" or settings.interpreting():
@@ -116,6 +121,8 @@ def default_config(device: torch.device) -> LCEConfig:
     overrides = settings.lce_config_overrides()
     if overrides:
         cfg = cfg.replace(**overrides)
+    if fp32_precision is not None and fp32_precision != cfg.fp32_precision:
+        cfg = cfg.replace(fp32_precision=fp32_precision)
     if cfg.strategy not in STRATEGIES:
         raise ValueError(f"LCEConfig.strategy must be one of {STRATEGIES}, got {cfg.strategy!r}")
     return cfg

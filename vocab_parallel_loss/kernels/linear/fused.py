@@ -51,8 +51,8 @@ import triton.language as tl
 from ... import settings
 from ...formulas import merge_logprob_stats, merge_partial_stats
 from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
-from .common import (LOG_UNDERFLOW, LOWEST, LogprobArgs, check_tiles, dot_precision, tanh,
-                     upcast)
+from .common import (LOG_UNDERFLOW, LOWEST, LogprobArgs, check_tiles, compute_dtype, dot,
+                     dot_mode, tanh, upcast)
 from .config import LCEConfig, default_config
 from .gemm import gemm_acc, gemm_store
 
@@ -76,12 +76,7 @@ def _grouped_tile(pid, num_rb, n_inner, GROUP_N: tl.constexpr):
 @triton.jit
 def _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """``acc += E[row0:, h0:] @ C[col0:, h0:].T`` for one H step, through TMA descriptors."""
-    a = E.load([row0, h0])
-    b = C.load([col0, h0])
-    if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return dot(E.load([row0, h0]), tl.trans(C.load([col0, h0])), acc, DOT_PREC, UPCAST)
 
 
 @triton.jit
@@ -113,10 +108,7 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
                 hm = (h0 + offs_h) < H
                 a = tl.load(e_ptrs, mask=hm[None, :], other=0.0)
                 b = tl.load(c_ptrs, mask=hm[:, None], other=0.0)
-            if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            acc = dot(a, b, acc, DOT_PREC, UPCAST)
             e_ptrs += BLOCK_H * stride_eh
             c_ptrs += BLOCK_H * stride_ch
     return acc
@@ -431,9 +423,9 @@ def _lce_dlogits_kernel(
 def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
     """Whether E and C can be read through TMA descriptors: Hopper or newer (or the
     interpreter), Triton's host-side descriptors, a unit last stride and 16-byte aligned base
-    and row stride (what the copy engine requires). 16-bit inputs only: fp32 tiles feed no
-    tensor-core dot, and three stages of them would not fit in shared memory."""
-    if TensorDescriptor is None or e.element_size() != 2:
+    and row stride (what the copy engine requires). 16-bit inputs only: three stages of fp32
+    tiles would not fit in shared memory."""
+    if TensorDescriptor is None or e.element_size() != 2 or c.element_size() != 2:
         return False
     if not settings.interpreting():
         if e.device.type != "cuda" or torch.cuda.get_device_capability(e.device)[0] < 9:
@@ -442,6 +434,20 @@ def _descriptors_ok(e: torch.Tensor, c: torch.Tensor) -> bool:
         if t.stride(1) != 1 or t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
     return True
+
+
+def _call_config(config: Optional[LCEConfig], device, precision: Optional[str]) -> LCEConfig:
+    if config is None:
+        return default_config(device, precision)
+    if precision is None or precision == config.fp32_precision:
+        return config
+    return config.replace(fp32_precision=precision)
+
+
+def _block_h(block_h: int, e: torch.Tensor, c: torch.Tensor, cfg: LCEConfig) -> int:
+    """The H step: ``cfg.wide_block_h`` when an operand is fp32 (shared memory)."""
+    return block_h if compute_dtype(e.dtype, c.dtype) != torch.float32 else min(
+        block_h, cfg.wide_block_h)
 
 
 def _operands(e, c, block_n: int, block_v: int, block_h: int, desc: bool):
@@ -485,23 +491,25 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   targets: torch.Tensor, v_offset: int, softcap: Optional[float],
                   need_sumx: bool, config: Optional[LCEConfig] = None,
                   saved: Optional["SavedTiles"] = None,
-                  logprob: Optional[LogprobArgs] = None) -> torch.Tensor:
+                  logprob: Optional[LogprobArgs] = None,
+                  precision: Optional[str] = None) -> torch.Tensor:
     """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
 
     ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
     of this shard); a target outside this shard contributes 0 to the target logit. With
     ``saved`` (``saved_tiles``) the logits are also saved for backward in that buffer. With
     ``logprob`` the statistics are instead the log-prob's ``(5, N)`` of ``cap(scale z) / T``
-    (``formulas.merge_logprob_stats``; ``need_sumx`` is ignored).
+    (``formulas.merge_logprob_stats``; ``need_sumx`` is ignored). ``precision``: the products
+    of fp32 operands (``common.FP32_PRECISIONS``; None: the config's).
     """
-    cfg = config or default_config(e.device)
+    cfg = _call_config(config, e.device, precision)
     N, H = e.shape
     V = c.shape[0]
     k = 4 if logprob is None else 5
     stats = torch.empty((k, N), dtype=torch.float32, device=e.device)
     if N == 0:
         return stats
-    BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
+    BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, _block_h(cfg.fwd_block_h, e, c, cfg)
     check_tiles(BN, BV, BH)
     if saved is not None and saved.block_v != BV:
         raise ValueError(f"saved tiles of {saved.block_v} columns, the forward's are {BV}")
@@ -525,7 +533,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
         NEED_SUMX=need_sumx and logprob is None,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
-        DOT_PREC=dot_precision(e.dtype), UPCAST=upcast(e.dtype), DESC=desc,
+        DOT_PREC=dot_mode(e.dtype, c.dtype, cfg.fp32_precision), UPCAST=upcast(), DESC=desc,
         FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
         LOGPROB=logprob is not None, NEED_ARGMAX=logprob is not None and logprob.need_argmax,
         num_warps=cfg.fwd_warps,
@@ -552,7 +560,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
              softcap: Optional[float], need_de: bool, need_dc: bool, need_dbias: bool,
              config: Optional[LCEConfig] = None, de_acc: Optional[torch.Tensor] = None,
              dc_out: Optional[torch.Tensor] = None, logprob: Optional[LogprobArgs] = None,
-             dc_acc: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None):
+             dc_acc: Optional[torch.Tensor] = None, skip: Optional[torch.Tensor] = None,
+             precision: Optional[str] = None):
     """Gradients of ``sum_n [gp_n * lse_n - gt_n * x_{n,t_n} - gc_n * sum_j x_{n,j}]``.
 
     ``coef (4, N)`` fp32 rows: lse, gp, gt, gc. Returns ``(dE fp32 (N, H) or None,
@@ -561,7 +570,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     ``(V, H)`` tensor dC is added to instead (a ``main_grad``; dC is then returned as None),
     accumulated in fp32 and rounded once into its dtype. With ``logprob``
     the logits are ``cap(scale z) / T`` and ``coef`` is ``(6, N)``: its sixth row ``gx`` weighs
-    ``softmax_j (x_j - lse)`` in dx as well (the entropy's gradient).
+    ``softmax_j (x_j - lse)`` in dx as well (the entropy's gradient). ``precision`` as for
+    ``forward_stats``; dz is fp32 when ``e`` or ``c`` is (``common.compute_dtype``).
 
     ``skip`` (one int32 element on the device): where it is nonzero every kernel returns at
     once, leaving ``de_acc`` and ``dc_acc`` as they were and the returned dbias undefined; the
@@ -569,7 +579,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     (when ``need_de``) and ``dc_acc`` (when ``need_dc``): nothing is written that the flag
     could leave undefined but dbias.
     """
-    cfg = config or default_config(e.device)
+    cfg = _call_config(config, e.device, precision)
     N, H = e.shape
     if skip is not None and ((need_de and de_acc is None) or (need_dc and dc_acc is None)):
         raise ValueError("backward(skip=...) adds into de_acc and dc_acc: pass both where needed")
@@ -590,16 +600,17 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         return de, dc, db
     if not (need_de or need_dc or need_dbias):
         return de, dc, db
-    BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h
+    BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, _block_h(cfg.bwd_block_h, e, c, cfg)
     check_tiles(BN, BV, BH)
     # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes.
-    per_col = N * e.element_size()
+    d_dtype = compute_dtype(e.dtype, c.dtype)
+    per_col = N * d_dtype.itemsize
     vc = max(BV, (cfg.chunk_bytes // max(per_col, 1)) // BV * BV)
     vc = min(vc, triton.cdiv(V, BV) * BV)
-    d = torch.empty((N, vc), dtype=e.dtype, device=dev)
+    d = torch.empty((N, vc), dtype=d_dtype, device=dev)
     num_rb = triton.cdiv(N, BN)
     db_part = torch.empty((num_rb, vc), dtype=torch.float32, device=dev) if bias is not None else None
-    dot_prec = dot_precision(e.dtype)
+    dot_prec = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
     desc = cfg.bwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
     inv_t, stride_it, scale = _row_scale(logprob, coef)
@@ -615,7 +626,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             stride_it, v_offset, float(softcap) if softcap else 1.0, scale,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
-            DOT_PREC=dot_prec, UPCAST=upcast(e.dtype), DESC=desc,
+            DOT_PREC=dot_prec, UPCAST=upcast(), DESC=desc,
             SKIP=coef if skip is None else skip, GATED=skip is not None,
             num_warps=cfg.bwd_warps, num_stages=cfg.bwd_stages, **PINNED,
         )

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ..launch import PINNED  # compile options every launch pins (FMA contraction)
-from .common import check_tiles, dot_precision, upcast
+from .common import check_tiles, dot, dot_mode, upcast
 from .config import LCEConfig
 
 
@@ -65,10 +65,7 @@ def _mm_kernel(
             km = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=m_ok[:, None] & km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None] & n_ok[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        acc = dot(a, b, acc, DOT_PREC, UPCAST)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     mask = m_ok[:, None] & n_ok[None, :]
@@ -93,14 +90,16 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
                                                                   device=out.device)))
         return
     BM, BN, BK = cfg.mm_block_m, cfg.mm_block_n, cfg.mm_block_k
+    if a.element_size() == 4 or b.element_size() == 4:  # fp32 tiles: fit the stages in smem
+        BK = min(BK, cfg.wide_block_h)
     check_tiles(BM, BN, BK)
     grid = (triton.cdiv(M, BM) * triton.cdiv(NN, BN),)
     _mm_kernel[grid](
         a, b, out, M, NN, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         ACCUMULATE=accumulate, EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-        GROUP_M=cfg.mm_group_m, DOT_PREC=dot_precision(a.dtype), UPCAST=upcast(a.dtype),
-        SKIP=out if skip is None else skip, GATED=skip is not None,
+        GROUP_M=cfg.mm_group_m, DOT_PREC=dot_mode(a.dtype, b.dtype, cfg.fp32_precision),
+        UPCAST=upcast(), SKIP=out if skip is None else skip, GATED=skip is not None,
         num_warps=cfg.mm_warps, num_stages=cfg.mm_stages, **PINNED,
     )
 
@@ -112,8 +111,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
 TORCH_DTYPE_MM = {"mm": True, "mm_fp32": True, "addmm": True}
 
 
-def _use_torch_mm(a: torch.Tensor, cfg: LCEConfig, op: str) -> bool:
-    return cfg.matmul == "torch" and a.is_cuda and TORCH_DTYPE_MM[op]
+def _use_torch_mm(a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig, op: str) -> bool:
+    # fp32 operands take the Triton GEMM: cuBLAS has no split products on Hopper (its fp32 runs
+    # on CUDA cores, or in TF32 when PyTorch's global flag allows it) and no mixed dtypes
+    return (cfg.matmul == "torch" and a.is_cuda and TORCH_DTYPE_MM[op]
+            and a.element_size() == 2 and b.element_size() == 2)
 
 
 def _torch_mm_failed(op: str, ex: Exception) -> None:
@@ -147,7 +149,7 @@ def gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConfig
     dtype: a bf16 ``main_grad`` gets ``round(acc + a @ b)``, not the sum of two roundings).
     ``skip``: left out where the device flag is nonzero (the module docstring)."""
     same = acc.dtype == a.dtype
-    if skip is None and (same or acc.dtype == torch.float32) and _use_torch_mm(a, cfg, "addmm"):
+    if skip is None and (same or acc.dtype == torch.float32) and _use_torch_mm(a, b, cfg, "addmm"):
         try:
             with _Fp32Reductions():
                 if same:  # cuBLAS reads acc into its fp32 accumulator (beta = 1)
@@ -166,7 +168,7 @@ def gemm_store(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, cfg: LCEConf
     fp32). ``skip``: left out where the device flag is nonzero (the module docstring)."""
     same = out.dtype == a.dtype
     op = "mm" if same else "mm_fp32"
-    if skip is None and _use_torch_mm(a, cfg, op):
+    if skip is None and _use_torch_mm(a, b, cfg, op):
         try:
             with _Fp32Reductions():
                 if same:  # fp32 accumulation, rounded once into out (fp32 split-K reductions)

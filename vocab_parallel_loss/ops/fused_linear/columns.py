@@ -19,17 +19,20 @@ from ...formulas import LogprobArgs, merge_logprob_stats, merge_partial_stats
 
 
 def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: bool,
-                    saved_cols: Optional[int] = None, logprob: Optional[LogprobArgs] = None):
+                    saved_cols: Optional[int] = None, logprob: Optional[LogprobArgs] = None,
+                    precision: str = "fp32"):
     """Local statistics of the columns of ``c`` (``(4, N)``, or ``(5, N)`` with ``logprob``)
     and the saved tiles (None unless ``saved_cols``): with ``saved_cols`` the logits tiles of
-    the first ``saved_cols`` columns are saved, the rest get statistics only, merged in."""
+    the first ``saved_cols`` columns are saved (in fp32 when ``e2`` or ``c`` is fp32), the rest
+    get statistics only, merged in. ``precision``: the products of fp32 operands."""
     if saved_cols is None:
         return backend.forward_stats(e2, c, bias, t, v_offset, softcap, need_sumx,
-                                     logprob=logprob), None
-    cfg = backend.default_config(e2.device)
+                                     logprob=logprob, precision=precision), None
+    cfg = backend.default_config(e2.device, precision)
     v = c.shape[0]
     vs = min(saved_cols, v)
-    saved = backend.saved_tiles(e2.shape[0], vs, e2.dtype, e2.device, cfg)
+    saved = backend.saved_tiles(e2.shape[0], vs, torch.promote_types(e2.dtype, c.dtype),
+                                e2.device, cfg)
     stats = backend.forward_stats(e2, c[:vs], None if bias is None else bias[:vs], t, v_offset,
                                   softcap, need_sumx, config=cfg, saved=saved, logprob=logprob)
     if vs < v:
@@ -44,7 +47,7 @@ def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: 
 def backward_columns(backend, e2, c, bias, t, v_offset: int, coef, softcap, need_de: bool,
                      need_dc: bool, need_db: bool, saved=None, de_final: bool = False,
                      chunk_bytes: Optional[int] = None, dc_out=None, dc_acc=None,
-                     logprob: Optional[LogprobArgs] = None):
+                     logprob: Optional[LogprobArgs] = None, precision: str = "fp32"):
     """Gradients of the columns of ``c``: from the ``saved`` tiles (which this consumes) of the
     first columns, then the rest recomputed (in chunks of ``chunk_bytes`` when given) into the
     same dE. Returns ``(dE, dC, dbias)``: dE in the accumulation dtype, or in the input dtype
@@ -55,7 +58,7 @@ def backward_columns(backend, e2, c, bias, t, v_offset: int, coef, softcap, need
     de = db = None
     start = 0
     if saved is not None:
-        cfg = backend.default_config(e2.device)
+        cfg = backend.default_config(e2.device, precision)
         start = saved.u.shape[1]
         if need_dc and dc_acc is None and dc_out is None:
             dc_out = torch.empty_like(c, memory_format=torch.contiguous_format)
@@ -68,9 +71,10 @@ def backward_columns(backend, e2, c, bias, t, v_offset: int, coef, softcap, need
             return de, dc_out, db
         if logprob is None:
             coef = coef[:4]  # the loss's recompute pass takes lse, gp, gt, gc
-    extra = {}
+    extra = {"precision": precision}
     if chunk_bytes:
-        extra["config"] = backend.default_config(e2.device).replace(chunk_bytes=chunk_bytes)
+        extra["config"] = backend.default_config(e2.device, precision).replace(
+            chunk_bytes=chunk_bytes)
     de, dc, db_rest = backend.backward(
         e2, c[start:], None if bias is None else bias[start:], t, v_offset + start, coef,
         softcap, need_de, need_dc, need_db, de_acc=de,

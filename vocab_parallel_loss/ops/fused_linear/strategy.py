@@ -124,7 +124,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         return _RECOMPUTE  # forward only: statistics, nothing saved
     cfg = backend.default_config(e.device)
     world = communication.world_size(group)
-    h, v, size = e.shape[-1], c.shape[0], e.element_size()
+    # the saved tiles and dlogits chunks are fp32 when either operand is (an fp32 head)
+    h, v, size = e.shape[-1], c.shape[0], max(e.element_size(), c.element_size())
     n = e.numel() // max(h, 1) * (world if sequence_parallel else 1)
     # saved tiles (also those of the gradients in forward): without the logit, the softcap
     # slope of an underflowed probability is unknown, and smoothing needs it

@@ -36,12 +36,15 @@ class LinearLossOptions:
     main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``autograd.main_grad``)
     masked: bool = False  # "grad_in_forward" for a per-token loss, formed for its loss mask
     # (``masked.py``)
+    fp32_precision: str = "fp32"  # the products of fp32 operands (``checks.FP32_PRECISIONS``)
 
 
 def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion, tp_group=None) -> int:
+                  memory_budget, gradient_accumulation_fusion, tp_group=None,
+                  fp32_precision="fp32") -> int:
     """The tensor-free options; returns ``ignore_index`` as an int."""
     checks.check_group(tp_group)
+    checks.check_fp32_precision(fp32_precision)
     checks.check_reduction(reduction)
     checks.check_smoothing(label_smoothing)
     checks.check_z_loss(z_loss)
@@ -78,13 +81,13 @@ def check_loss_mask(loss_mask, targets, reduction) -> None:
 
 def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
           sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-          gradient_accumulation_fusion, loss_mask=None) -> None:
+          gradient_accumulation_fusion, loss_mask=None, fp32_precision="fp32") -> None:
     """Every argument of one call: raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_float("e", e)
     checks.check_float("c", c)
     checks.check_target_dtype(targets, "targets")
     check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion, group)
+                  memory_budget, gradient_accumulation_fusion, group, fp32_precision)
     if e.dim() < 2:
         raise ValueError(f"e must be (..., H) with at least one leading dim, got shape {tuple(e.shape)}")
     if c.dim() != 2:
@@ -94,14 +97,11 @@ def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
     if e.shape[-1] != c.shape[1]:
         raise ValueError(f"e and c disagree on the hidden size H: e {tuple(e.shape)}, "
                          f"c {tuple(c.shape)}")
-    if e.dtype != c.dtype:
-        raise ValueError(f"e and c must have the same dtype, got {e.dtype} and {c.dtype}")
     if bias is not None:
         checks.check_float("bias", bias)
         if tuple(bias.shape) != (c.shape[0],):
             raise ValueError(f"bias must be (V_local,) = ({c.shape[0]},), got {tuple(bias.shape)}")
-        if bias.dtype != c.dtype:
-            raise ValueError(f"bias dtype {bias.dtype} differs from c's {c.dtype}")
+    checks.check_linear_dtypes(e, c, bias)
     checks.check_same_device(e=e, c=c, targets=targets, bias=bias)
     checks.check_main_grad(c, gradient_accumulation_fusion)
     lead = list(e.shape[:-1])

@@ -147,7 +147,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if o.strategy == "saved":
                 saved_cols = v_local if o.saved_cols is None else o.saved_cols
             stats, saved = forward_columns(o.backend, e2, c, bias, t2, v_offset, o.softcap,
-                                           o.smoothing > 0, saved_cols)
+                                           o.smoothing > 0, saved_cols,
+                                           precision=o.fp32_precision)
             if saved is not None:
                 ctx.tile_v = saved.block_v
             row_stats, gathered = _merge(stats, v_local, o, shapes)
@@ -199,7 +200,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             de32, dc, db = backward_columns(
                 o.backend, e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc,
                 need_db, saved=o.backend.SavedTiles(u, tile_max, ctx.tile_v),
-                de_final=communication.world_size(o.group) == 1, dc_acc=home)
+                de_final=communication.world_size(o.group) == 1, dc_acc=home,
+                precision=o.fp32_precision)
         elif o.masked:
             consume(ctx, "the gradients formed in forward")
             formed, ctx.formed = ctx.formed, None
@@ -222,7 +224,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
             de32, dc, db = backward_columns(o.backend, e2, c, bias, t2, v_offset, coef, o.softcap,
                                             need_de, need_dc, need_db,
-                                            chunk_bytes=o.chunk_bytes, dc_acc=home)
+                                            chunk_bytes=o.chunk_bytes, dc_acc=home,
+                                            precision=o.fp32_precision)
         if home is not None:
             dc = main_grad_dummy(c)
         de = None
@@ -343,7 +346,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
     H), dbias (V_local,))`` (None where not needed) and the first chunk's gathered statistics
     (for ``_check_shapes``; None without TP or rows)."""
     K = o.backend
-    cfg = K.default_config(e2.device)
+    cfg = K.default_config(e2.device, o.fp32_precision)
     need_de, need_dc = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     need_db = bias is not None and ctx.needs_input_grad[2]
     n, h = e2.shape
@@ -362,7 +365,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
     db = torch.zeros((v,), dtype=f32, device=dev) if need_db else None
     rows = max(1, min(n, o.gif_rows or cfg.gif_rows))
-    buf = K.saved_tiles(rows, v, e2.dtype, dev, cfg) if n else None
+    buf = K.saved_tiles(rows, v, torch.promote_types(e2.dtype, c.dtype), dev, cfg) if n else None
     first = None
     for i, r0 in enumerate(range(0, n, rows)):
         r1 = min(n, r0 + rows)
@@ -386,12 +389,12 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
 
 def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, tp_group,
          sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-         gradient_accumulation_fusion, loss_mask=None):
+         gradient_accumulation_fusion, loss_mask=None, fp32_precision="fp32"):
     """``functional.linear_cross_entropy`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
                    sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-                   gradient_accumulation_fusion, loss_mask)
+                   gradient_accumulation_fusion, loss_mask, fp32_precision)
     ignore_index = int(ignore_index)
     targets = checks.widened_target(targets, ignore_index, "targets")
     if settings.flag(settings.CHECK_TARGETS, False):
@@ -417,7 +420,7 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
         saved_cols=strategy.size if strategy.name == "saved" else None,
         gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
         seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion,
-        masked=masked_gif)
+        masked=masked_gif, fp32_precision=fp32_precision)
     mask = loss_mask.detach() if masked_gif else None  # (unused by the other strategies)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
         out, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o, mask)

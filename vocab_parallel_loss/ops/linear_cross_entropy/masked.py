@@ -75,11 +75,11 @@ def backward(formed: list, grad_loss, grad_lse, coef: torch.Tensor, e, e2, c, bi
     de_f, dc_f, db_f = formed
     de_f, dc_f = (de_f if need_de else None), (dc_f if need_dc else None)
     K.zero_unless(skip, de_f, dc_f)
-    cfg = K.default_config(e2.device)
+    cfg = K.default_config(e2.device, o.fp32_precision)
     if o.chunk_bytes:
         cfg = cfg.replace(chunk_bytes=o.chunk_bytes)
-    _, _, db_x = K.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc, need_db, config=cfg, de_acc=de_f,
-                            dc_acc=dc_f, skip=skip)
+    _, _, db_x = K.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc,
+                            need_db, config=cfg, de_acc=de_f, dc_acc=dc_f, skip=skip)
     db = torch.where(ok, db_f * k, db_x) if need_db else None
     tp = world > 1
 

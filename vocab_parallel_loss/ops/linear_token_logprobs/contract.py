@@ -9,17 +9,17 @@ from ... import checks
 
 
 def check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-          gradient_accumulation_fusion, tp_group) -> None:
+          gradient_accumulation_fusion, tp_group, fp32_precision="fp32") -> None:
     """Raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_group(tp_group)
+    checks.check_fp32_precision(fp32_precision)
     checks.check_float("hidden", hidden)
     checks.check_float("weight", weight)
     checks.check_impl(impl)
     if hidden.dim() < 2 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden (..., H) and weight (V_local, H) disagree: {tuple(hidden.shape)}"
                          f" and {tuple(weight.shape)}")
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError("hidden, weight and bias must have one dtype")
+    checks.check_linear_dtypes(hidden, weight, bias, "hidden", "weight")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be (V_local,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
     if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):

@@ -43,7 +43,7 @@ class _LinearLogprobs(torch.autograd.Function):
     def forward(ctx, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequence_parallel: bool,
                 plan):
         ctx.set_materialize_grads(False)
-        K, st, need_argmax, main_grad = plan
+        K, st, need_argmax, main_grad, precision = plan
         full = (communication.gather_along_first_dim(e, o.group, o.sequence_rows)
                 if sequence_parallel else e)
         e2 = full.reshape(-1, full.shape[-1])
@@ -58,7 +58,7 @@ class _LinearLogprobs(torch.autograd.Function):
                 keep = v if st.size is None else st.size
             stats, saved = forward_columns(K, e2, c[:v], None if bias is None else bias[:v], t,
                                            o.col_start, o.softcap, False, keep,
-                                           LogprobArgs(inv_t, o.scale, need_argmax))
+                                           LogprobArgs(inv_t, o.scale, need_argmax), precision)
         logp, ent, lse, col, ignored, bad, bad_ent, _ = finish(stats, t, o, bad_t)
         kept = () if saved is None else (saved.u, saved.tile_max, stats[3])
         ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad, bad_ent, *kept)
@@ -74,7 +74,7 @@ class _LinearLogprobs(torch.autograd.Function):
         refuse_if_consumed(ctx, "linear_token_logprobs")
         e, c, bias, t, inv_t, lse, ent, ignored, bad, bad_ent, *kept = ctx.saved_tensors
         o: LogprobOptions = ctx.o
-        K, st, _, main_grad = ctx.plan
+        K, st, _, main_grad, precision = ctx.plan
         need_e, need_c = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         if g_lp is None and g_ent is None:
@@ -109,7 +109,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 o.softcap, need_e, need_c, need_b, saved=saved,
                 de_final=communication.world_size(o.group) == 1, chunk_bytes=st.chunk_bytes,
                 dc_out=None if dc is None else dc[:v],
-                dc_acc=None if home is None else home[:v], logprob=LogprobArgs(inv_t, o.scale))
+                dc_acc=None if home is None else home[:v], logprob=LogprobArgs(inv_t, o.scale),
+                precision=precision)
             if need_b:
                 db[:v] = db_v
         if home is not None:
@@ -124,13 +125,15 @@ class _LinearLogprobs(torch.autograd.Function):
 
 
 def from_hidden(backend, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequence_parallel: bool,
-                need_argmax: bool, memory_budget=None, main_grad: bool = False):
+                need_argmax: bool, memory_budget=None, main_grad: bool = False,
+                fp32_precision: str = "fp32"):
     """``(log_probs, entropy, argmax)`` flat, from hidden states and this rank's rows on
     ``backend`` (a graph break under torch.compile unless it is ``TRACEABLE``); with
-    ``main_grad`` the gradient of ``c`` is added into ``c.main_grad`` (``main_grad.py``)."""
+    ``main_grad`` the gradient of ``c`` is added into ``c.main_grad`` (``main_grad.py``);
+    ``fp32_precision``: the products of fp32 operands (``checks.FP32_PRECISIONS``)."""
     st: Strategy = choose_strategy(backend, e, c, bias, "none", sequence_parallel, o.group,
                                    o.softcap, 0.0, memory_budget, main_grad)
-    plan = (backend, st, need_argmax, main_grad)
+    plan = (backend, st, need_argmax, main_grad, fp32_precision)
     args = (e, c, bias, t, inv_t, bad_t, o, sequence_parallel, plan)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
         return _LinearLogprobs.apply(*args)
@@ -139,11 +142,11 @@ def from_hidden(backend, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequenc
 
 def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperature,
              ignore_index, return_entropy, return_argmax, vocab_range, softcap, logit_scale,
-             impl, memory_budget, gradient_accumulation_fusion):
+             impl, memory_budget, gradient_accumulation_fusion, fp32_precision="fp32"):
     """``functional.linear_token_logprobs`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-                   gradient_accumulation_fusion, tp_group)
+                   gradient_accumulation_fusion, tp_group, fp32_precision)
     world = communication.world_size(tp_group)
     sp = bool(sequence_parallel) and world > 1
     lead = list(hidden.shape[:-1])
@@ -159,5 +162,6 @@ def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperat
                                  None, seq_rows)  # no row backend: the engine's stats
     inv_t, bad_t = logprob_contract.inverse_temperature(temperature, target, hidden)
     lp, ent, col = from_hidden(backend, hidden, weight, bias, t, inv_t, bad_t, o, sp,
-                               bool(return_argmax), memory_budget, gradient_accumulation_fusion)
+                               bool(return_argmax), memory_budget, gradient_accumulation_fusion,
+                               fp32_precision)
     return logprob_contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)

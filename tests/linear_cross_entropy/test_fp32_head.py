@@ -1,0 +1,135 @@
+"""An fp32 LM head on the fused linear ops: fp32 weights with bf16, fp16 or fp32 hidden states,
+on both backends (the Triton kernels under TRITON_INTERPRET=1 at every strategy, with the
+weight split into bf16 parts where the hidden states are bf16; the chunked PyTorch one), against
+the fp64 oracle of the hidden states as given. ``fp32_precision`` and the dtype rules are
+checked as arguments. The GPU tests hold the tensor-core products to the same bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests._linear_oracle import reference_grads
+from tests._logprobs_oracle import logprob_grads, oracle
+from tests.linear_cross_entropy.test_properties import PLANS, plan_call, plan_config
+from vocab_parallel_loss import linear_cross_entropy, linear_token_logprobs
+
+#: fp32-class: the log-probs, entropy and loss within this of fp64 (PyTorch's fp32 gives ~1e-6
+#: here); a weight rounded to bf16 anywhere would be ~1e-3 off
+ABS = 2e-5
+HIDDEN = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _cases(plans):
+    """(plan, hidden dtype): fp16 hidden states take the fp32 products of fp32 ones, so one
+    Triton strategy and the PyTorch backend cover them."""
+    return [(p, h) for p in plans for h in HIDDEN
+            if h != torch.float16 or p in ("recompute", "torch")]
+
+
+def _inputs(n=37, h=40, v=101, hidden=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    e = torch.randn(n, h, generator=g).to(hidden)
+    c = torch.randn(v, h, generator=g) * 0.5
+    b = torch.randn(v, generator=g) * 0.1
+    t = torch.randint(0, v, (n,), generator=g)
+    t[3] = -100
+    return e, c, b, t
+
+
+@pytest.mark.parametrize("plan,hidden", _cases(PLANS))
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_of_an_fp32_head_has_fp32_class_error(plan, hidden, reduction):
+    if plan == "grad_in_forward" and reduction == "none":
+        pytest.skip("gradients in forward need a scalar loss")
+    e, c, b, t = _inputs(hidden=hidden)
+    up = torch.rand(t.shape) if reduction == "none" else None
+    impl, budget = plan_call(plan, e, c)
+    leaves = [x.clone().requires_grad_() for x in (e, c, b)]
+    with plan_config(plan):
+        loss = linear_cross_entropy(*leaves[:2], t, leaves[2], reduction=reduction, impl=impl,
+                                    memory_budget=budget)
+        grads = torch.autograd.grad(loss, leaves, torch.ones_like(loss) if up is None else up)
+    ref, ref_grads = reference_grads(e, c, t, b, upstream=up, reduction=reduction)
+    assert loss.dtype == torch.float32
+    assert (loss.double() - ref).abs().max() < ABS
+    de, dc, db = grads
+    assert de.dtype == hidden and dc.dtype == torch.float32 and db.dtype == torch.float32
+    for got, want in ((dc, ref_grads[1]), (db, ref_grads[2])):
+        assert (got.double() - want).abs().max() <= ABS * want.abs().max()
+    # dE is rounded once to the hidden states' dtype
+    tol = 2e-5 if hidden == torch.float32 else torch.finfo(hidden).eps
+    assert (de.double() - ref_grads[0]).abs().max() <= tol * ref_grads[0].abs().max()
+
+
+@pytest.mark.parametrize("plan,hidden", _cases([p for p in PLANS if p != "grad_in_forward"]))
+def test_logprobs_of_an_fp32_head_have_fp32_class_error(plan, hidden):
+    e, c, b, t = _inputs(hidden=hidden, seed=1)
+    impl, budget = plan_call(plan, e, c)
+    leaves = [x.clone().requires_grad_() for x in (e, c, b)]
+    g_lp, g_ent = torch.rand(t.shape), torch.rand(t.shape)
+    with plan_config(plan):
+        out = linear_token_logprobs(*leaves[:2], t, leaves[2], temperature=0.7, impl=impl,
+                                    return_entropy=True, memory_budget=budget)
+        grads = logprob_grads((out.log_probs, out.entropy), leaves, g_lp, g_ent)
+    ref_leaves = [x.double().requires_grad_() for x in (e, c, b)]
+    lp, ent, _ = oracle(ref_leaves[0] @ ref_leaves[1].t() + ref_leaves[2], t, temperature=0.7)
+    ref_grads = logprob_grads((lp, ent), ref_leaves, g_lp.double(), g_ent.double())
+    assert (out.log_probs.double() - lp).abs().max() < ABS
+    assert (out.entropy.double() - ent).abs().max() < ABS
+    assert grads[0].dtype == hidden and grads[1].dtype == torch.float32
+    for got, want in zip(grads[1:], ref_grads[1:]):
+        assert (got.double() - want).abs().max() <= ABS * want.abs().max()
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"] if "saved" in PLANS else ["torch"])
+@pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
+def test_autocast_keeps_the_fp32_head(impl, hidden):
+    """torch.autocast(bf16) around the call leaves the fp32 head's products fp32-class."""
+    e, c, b, t = _inputs(hidden=hidden, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = linear_cross_entropy(e, c, t, b, impl=impl)
+        out = linear_token_logprobs(e, c, t, b, impl=impl)
+    ref, _ = reference_grads(e, c, t, b)
+    lp, _, _ = oracle(e.double() @ c.double().t() + b.double(), t)
+    assert (loss.double() - ref).abs() < ABS
+    assert (out.log_probs.double() - lp).abs().max() < ABS
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"] if "saved" in PLANS else ["torch"])
+def test_tf32_precision_is_accepted(impl):
+    """``fp32_precision="tf32"`` trades the split products for TF32 on the GPU; on CPU the
+    products stay fp32 (no TF32 there), so the result is the fp32 one."""
+    e, c, b, t = _inputs(seed=3)
+    loss = linear_cross_entropy(e, c, t, b, impl=impl, fp32_precision="tf32")
+    out = linear_token_logprobs(e, c, t, b, impl=impl, fp32_precision="tf32")
+    ref, _ = reference_grads(e, c, t, b)
+    assert (loss.double() - ref).abs() < 1e-3
+    assert torch.isfinite(out.log_probs).all()
+
+
+@pytest.mark.parametrize("op", ["loss", "logprobs"])
+def test_argument_checks(op):
+    e, c, b, t = _inputs()
+    call = (lambda *a, **k: linear_cross_entropy(*a, impl="torch", **k)) if op == "loss" else \
+        (lambda *a, **k: linear_token_logprobs(*a, impl="torch", **k))
+    with pytest.raises(ValueError, match="fp32_precision"):
+        call(e, c, t, fp32_precision="ieee")
+    with pytest.raises(ValueError, match="fp32_precision"):
+        call(e, c, t, fp32_precision=None)
+    with pytest.raises(ValueError, match="fp32 head"):  # fp32 hidden, 16-bit weight
+        call(e.float(), c.bfloat16(), t)
+    with pytest.raises(ValueError, match="bias dtype"):
+        call(e, c, t, b.bfloat16())
+
+
+def test_module_takes_fp32_precision():
+    from vocab_parallel_loss import VocabParallelLinearCrossEntropy
+
+    e, c, b, t = _inputs(seed=4)
+    mod = VocabParallelLinearCrossEntropy(impl="torch", fp32_precision="tf32")
+    assert "fp32_precision='tf32'" in repr(mod)
+    ref, _ = reference_grads(e, c, t, b)
+    assert (mod(e, c, t, b).double() - ref).abs() < 1e-3
+    with pytest.raises(ValueError, match="fp32_precision"):
+        VocabParallelLinearCrossEntropy(fp32_precision="bf16")
