@@ -70,13 +70,26 @@ class LCEConfig:
     fwd_desc: bool = False
     bwd_desc: bool = False
     fwd_flat: bool = False
-    wide_block_h: int = 32  # the H step (and the Triton GEMM's K step) when an operand is fp32:
-    # the pipeline's stages of fp32 tiles must fit in shared memory
+    wide_block_h: int = 32  # fp32 tiles (``for_tiles``): the H step, and the Triton GEMM's K step
+    wide_block_v: int = 128  # fp32 tiles: the vocabulary tile (tf32x3 spills at 256 columns)
     fp32_precision: str = "fp32"  # the products of fp32 operands (``common.dot_mode``): the
     # call's option, set on its config by ``default_config``
 
     def replace(self, **kw) -> "LCEConfig":
         return dataclasses.replace(self, **kw)
+
+    def for_tiles(self, dtype: torch.dtype) -> "LCEConfig":
+        """The config for logits tiles of ``dtype`` (``common.compute_dtype``): fp32 ones (an
+        fp32 head) take H steps of ``wide_block_h`` and vocabulary tiles of at most
+        ``wide_block_v`` columns, so that the pipeline's fp32 operand tiles fit in shared memory
+        and the split products' accumulator fits in registers."""
+        if dtype != torch.float32:
+            return self
+        return self.replace(
+            fwd_block_h=min(self.fwd_block_h, self.wide_block_h),
+            bwd_block_h=min(self.bwd_block_h, self.wide_block_h),
+            fwd_block_v=min(self.fwd_block_v, self.wide_block_v),
+            bwd_block_v=min(self.bwd_block_v, self.wide_block_v))
 
 
 # TMA descriptors and the flat forward loop: a faster forward and step (docs/design.md, "Hopper");
@@ -96,7 +109,7 @@ INTERPRET_CONFIG = LCEConfig(
     mm_block_m=16, mm_block_n=32, mm_block_k=16, mm_group_m=2, mm_warps=4, mm_stages=1,
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
-    gif_rows=16, row_block=16, row_warps=4, wide_block_h=16,
+    gif_rows=16, row_block=16, row_warps=4, wide_block_h=16, wide_block_v=32,
 )
 
 #: Values of ``LCEConfig.strategy``.

@@ -444,12 +444,6 @@ def _call_config(config: Optional[LCEConfig], device, precision: Optional[str]) 
     return config.replace(fp32_precision=precision)
 
 
-def _block_h(block_h: int, e: torch.Tensor, c: torch.Tensor, cfg: LCEConfig) -> int:
-    """The H step: ``cfg.wide_block_h`` when an operand is fp32 (shared memory)."""
-    return block_h if compute_dtype(e.dtype, c.dtype) != torch.float32 else min(
-        block_h, cfg.wide_block_h)
-
-
 def _operands(e, c, block_n: int, block_v: int, block_h: int, desc: bool):
     if not desc:
         return e, c
@@ -502,14 +496,14 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     (``formulas.merge_logprob_stats``; ``need_sumx`` is ignored). ``precision``: the products
     of fp32 operands (``common.FP32_PRECISIONS``; None: the config's).
     """
-    cfg = _call_config(config, e.device, precision)
+    cfg = _call_config(config, e.device, precision).for_tiles(compute_dtype(e.dtype, c.dtype))
     N, H = e.shape
     V = c.shape[0]
     k = 4 if logprob is None else 5
     stats = torch.empty((k, N), dtype=torch.float32, device=e.device)
     if N == 0:
         return stats
-    BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, _block_h(cfg.fwd_block_h, e, c, cfg)
+    BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
     check_tiles(BN, BV, BH)
     if saved is not None and saved.block_v != BV:
         raise ValueError(f"saved tiles of {saved.block_v} columns, the forward's are {BV}")
@@ -579,7 +573,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     (when ``need_de``) and ``dc_acc`` (when ``need_dc``): nothing is written that the flag
     could leave undefined but dbias.
     """
-    cfg = _call_config(config, e.device, precision)
+    cfg = _call_config(config, e.device, precision).for_tiles(compute_dtype(e.dtype, c.dtype))
     N, H = e.shape
     if skip is not None and ((need_de and de_acc is None) or (need_dc and dc_acc is None)):
         raise ValueError("backward(skip=...) adds into de_acc and dc_acc: pass both where needed")
@@ -600,7 +594,7 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
         return de, dc, db
     if not (need_de or need_dc or need_dbias):
         return de, dc, db
-    BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, _block_h(cfg.bwd_block_h, e, c, cfg)
+    BN, BV, BH = cfg.bwd_block_n, cfg.bwd_block_v, cfg.bwd_block_h
     check_tiles(BN, BV, BH)
     # Chunk width: a multiple of BLOCK_V whose (N, Vc) buffer fits chunk_bytes.
     d_dtype = compute_dtype(e.dtype, c.dtype)

@@ -56,11 +56,13 @@ def _padded(v: int) -> int:
 
 def saved_bytes(n: int, v: int, element_size: int, cfg: LCEConfig) -> int:
     """Bytes ``saved_tiles`` allocates for ``n`` rows of ``v`` columns."""
+    cfg = cfg.for_tiles(torch.float32 if element_size == 4 else torch.bfloat16)
     return n * _padded(v) * element_size + triton.cdiv(v, cfg.fwd_block_v) * n * 4
 
 
 def saved_tiles(n: int, v: int, dtype: torch.dtype, device: torch.device,
                 cfg: LCEConfig) -> SavedTiles:
+    cfg = cfg.for_tiles(dtype)
     u = torch.empty((n, _padded(v)), dtype=dtype, device=device)[:, :v]
     tile_max = torch.empty((triton.cdiv(v, cfg.fwd_block_v), n), dtype=torch.float32,
                            device=device)
