@@ -155,6 +155,13 @@ def check_group(group, name: str = "tp_group") -> None:
                         f"{type(group).__name__} {shown}")
 
 
+def check_bool(name: str, value) -> None:
+    """A flag that must be a real ``bool`` (a tensor or a number would be taken for its truth
+    value, or fail later inside a kernel launch)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
 def check_impl(impl) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")

@@ -71,12 +71,12 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
                  reduction: str = "mean", shift: int = 0, return_lse: bool = False, *,
                  tp_group=None, sequence_parallel: bool = False, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, impl: str = "auto", memory_budget: Optional[float] = None,
-                 gradient_accumulation_fusion: bool = False):
+                 gradient_accumulation_fusion: bool = False, batch_invariant: bool = False):
         super().__init__()
         # every option checked here, as linear_cross_entropy checks it, not at the first forward
         self.ignore_index = lce_contract.check_options(
             ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-            memory_budget, gradient_accumulation_fusion, tp_group)
+            memory_budget, gradient_accumulation_fusion, tp_group, batch_invariant)
         self.softcap = softcap
         self.reduction = reduction
         self.shift = shift
@@ -88,6 +88,7 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
         self.impl = impl
         self.memory_budget = memory_budget
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
+        self.batch_invariant = batch_invariant
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                 bias: Optional[torch.Tensor] = None):
@@ -97,7 +98,8 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
             tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl,
             memory_budget=self.memory_budget,
-            gradient_accumulation_fusion=self.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            batch_invariant=self.batch_invariant)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
@@ -105,4 +107,5 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
                 f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}, "
                 f"sequence_parallel={self.sequence_parallel}, impl={self.impl!r}, "
                 f"memory_budget={self.memory_budget}, "
-                f"gradient_accumulation_fusion={self.gradient_accumulation_fusion}")
+                f"gradient_accumulation_fusion={self.gradient_accumulation_fusion}, "
+                f"batch_invariant={self.batch_invariant}")

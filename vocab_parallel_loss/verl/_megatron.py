@@ -13,7 +13,9 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
 
     ``context`` may be a dict with ``temperature`` (float or ``[b, s]`` tensor, default 1.0;
     ``linear_token_logprobs``' rule: a float <= 0 raises, a tensor's unusable entries give NaN),
-    ``ignore_index`` (default -100) and ``memory_budget`` (bytes, ``linear_token_logprobs``'s).
+    ``ignore_index`` (default -100), ``memory_budget`` (bytes, ``linear_token_logprobs``'s) and
+    ``batch_invariant`` (default False: ``linear_token_logprobs``', each token's outputs the
+    same bits in any batch).
     The hidden states arrive ``[s, b, h]`` (sequence-sharded under sequence parallelism); the
     classifier is the output layer's weight shard (or the shared embedding weight that
     megatron-core passes as ``output_weight``). Under the config's
@@ -41,6 +43,7 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
                                 sequence_parallel=sp, temperature=temperature,
                                 ignore_index=ctx.get("ignore_index", -100), return_entropy=True,
                                 memory_budget=ctx.get("memory_budget"),
+                                batch_invariant=ctx.get("batch_invariant", False),
                                 logit_scale=output_logit_scale(config),
                                 gradient_accumulation_fusion=accumulates_into_main_grad(
                                     config, weight))

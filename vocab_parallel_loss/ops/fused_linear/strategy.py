@@ -74,7 +74,8 @@ def gif_fixed_bytes(n: int, v: int, h: int, e: torch.Tensor, c: torch.Tensor,
 
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
-                    softcap, smoothing: float, memory_budget, main_grad: bool = False):
+                    softcap, smoothing: float, memory_budget, main_grad: bool = False,
+                    invariant: bool = False):
     """The ``Strategy``: the fastest way to form the gradients whose extra memory fits
     ``memory_budget`` bytes (docs/design.md, section 7, "Strategies"), among those the backend
     runs (``backend.STRATEGIES``).
@@ -82,7 +83,9 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     dC is added into ``c.main_grad`` (gradient-accumulation fusion), not returned.
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
-    takes the same path and runs the same collectives."""
+    takes the same path and runs the same collectives. ``invariant`` (batch-invariant
+    statistics): the first columns saved are a whole number of the forward's splits
+    (``invariant_tiles``), so that the statistics come from the splits of one pass."""
     if "saved" not in backend.STRATEGIES or not torch.is_grad_enabled():
         return _RECOMPUTE
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
@@ -121,7 +124,10 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         tile = cfg.fwd_block_v
         per_tile = backend.saved_bytes(n, tile, size, cfg)
         tiles = int((budget - recompute) // per_tile)
-        if tiles >= 1:
+        if invariant:  # whole splits
+            per_split = backend.invariant_tiles(v, cfg, e.device)
+            tiles = tiles // per_split * per_split
+        if tiles >= 1 and (not invariant or tiles * tile < v):
             return Strategy("saved", size=min(tiles * tile, v - 1))
     if recompute <= budget:
         return _RECOMPUTE

@@ -34,12 +34,15 @@ class LinearLossOptions:
     gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
     seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
     main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``autograd.main_grad``)
+    invariant: bool = False  # batch-invariant statistics and merges (``batch_invariant``)
 
 
 def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion, tp_group=None) -> int:
+                  memory_budget, gradient_accumulation_fusion, tp_group=None,
+                  batch_invariant=False) -> int:
     """The tensor-free options; returns ``ignore_index`` as an int."""
     checks.check_group(tp_group)
+    checks.check_bool("batch_invariant", batch_invariant)
     checks.check_reduction(reduction)
     checks.check_smoothing(label_smoothing)
     checks.check_z_loss(z_loss)
@@ -55,13 +58,13 @@ def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_lo
 
 def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
           sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-          gradient_accumulation_fusion) -> None:
+          gradient_accumulation_fusion, batch_invariant=False) -> None:
     """Every argument of one call: raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_float("e", e)
     checks.check_float("c", c)
     checks.check_target_dtype(targets, "targets")
     check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion, group)
+                  memory_budget, gradient_accumulation_fusion, group, batch_invariant)
     if e.dim() < 2:
         raise ValueError(f"e must be (..., H) with at least one leading dim, got shape {tuple(e.shape)}")
     if c.dim() != 2:
