@@ -40,7 +40,7 @@ INVARIANT_ALIGN = 64
 
 #: Elements of one batch-invariant block at most (64 MiB in fp32), and its rows at most.
 INVARIANT_ELEMENTS = 1 << 24
-INVARIANT_MAX_ROWS = 1024
+INVARIANT_MAX_ROWS = 256
 
 
 def padded_width(v: int) -> int:
