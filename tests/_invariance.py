@@ -52,8 +52,13 @@ def embed(block, v: int, before: int, after: int, seed: int):
 
 
 def run(op, e, t, temp, c, b, impl="auto", budget=None, reduction="none", tp_group=None,
-        invariant=True):
-    """The per-token outputs ``op`` guarantees under ``batch_invariant``, as a tuple."""
+        invariant=True, cols=None):
+    """The per-token outputs ``op`` guarantees under ``batch_invariant``, as a tuple; ``cols``:
+    this rank's vocabulary columns under TP (of ``c`` and ``b``, or of the logits)."""
+    if cols is not None:
+        c, b = c[cols].contiguous(), b[cols].contiguous()
+        if op == "token_logprobs":
+            e = e[:, cols].contiguous()
     if op == "token_logprobs":  # ``e`` holds the logits (``c``, ``b`` unused)
         out = token_logprobs(e, t, temperature=temp, return_entropy=True, return_argmax=True,
                              tp_group=tp_group, batch_invariant=invariant)
@@ -100,19 +105,21 @@ def budgets(op, e, c, b, impl, reduction="none", tp_group=None, invariant=True):
 
 
 def check_block(op, block, c, b, layouts=LAYOUTS, impl="auto", reduction="none",
-                tp_group=None, invariant=True, seed=10):
+                tp_group=None, invariant=True, seed=10, cols=None):
     """Compute ``block`` alone, then embedded per ``layouts`` under every budget ``budgets``
     finds for that batch; assert the block's outputs equal. Returns the strategies seen."""
     e, t, temp = block
     n = e.shape[0]
-    want = run(op, e, t, temp, c, b, impl, None, reduction, tp_group, invariant)
+    want = run(op, e, t, temp, c, b, impl, None, reduction, tp_group, invariant, cols)
     seen = set()
     for i, (before, after) in enumerate(layouts):
         be, bt, btemp = embed(block, c.shape[0], before, after, seed + i)
-        for name, budget in budgets(op, be, c, b, impl, reduction, tp_group,
+        local = (c, b) if cols is None else (c[cols], b[cols])
+        for name, budget in budgets(op, be, *local, impl, reduction, tp_group,
                                     invariant).items():
             seen.add(name)
-            got = run(op, be, bt, btemp, c, b, impl, budget, reduction, tp_group, invariant)
+            got = run(op, be, bt, btemp, c, b, impl, budget, reduction, tp_group, invariant,
+                      cols)
             for k, (w, g) in enumerate(zip(want, got)):
                 g = g[before:before + n] if g.dim() else g
                 assert torch.equal(w, g), (
