@@ -10,6 +10,7 @@ strategy, for the three ops, fp32 and bf16, and the same bits on every rank. glo
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -19,7 +20,9 @@ from tests._invariance import OPS, block_case, check_block, run, weights
 from tests._torchrun import end_worker, init_worker_process_group, run_checks
 from vocab_parallel_loss import backends
 
-H, V, BLOCK = 24, 302, 5  # 151 columns a rank at TP=2
+# 151 columns a rank at TP=2; ``VPL_INVARIANT_HV="H,V"`` for other sizes (the GPU test)
+H, V = (int(x) for x in os.environ.get("VPL_INVARIANT_HV", "24,302").split(","))
+BLOCK = 5
 
 
 def check(op, dtype, impl, device):

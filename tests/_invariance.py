@@ -25,19 +25,19 @@ OPS = ("token_logprobs", "linear_token_logprobs", "linear_cross_entropy")
 def block_case(n, h, v, dtype, device, seed=0):
     """The fixed block: hidden states (``h`` columns; for ``token_logprobs`` its logits, ``h``
     = ``v``), targets (one ignored), per-token temperatures."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    e = (torch.randn(n, h, generator=g) * 0.7).to(dtype)
-    t = torch.randint(0, v, (n,), generator=g)
+    g = torch.Generator(device=device).manual_seed(seed)  # drawn where they are used
+    e = (torch.randn(n, h, generator=g, device=device) * 0.7).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g, device=device)
     t[n // 2] = -100
-    temp = torch.rand(n, generator=g) + 0.5
-    return e.to(device), t.to(device), temp.to(device)
+    temp = torch.rand(n, generator=g, device=device) + 0.5
+    return e, t, temp
 
 
 def weights(h, v, dtype, device, seed=1):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    c = (torch.randn(v, h, generator=g) * h ** -0.5).to(dtype)
-    b = (torch.randn(v, generator=g) * 0.1).to(dtype)
-    return c.to(device), b.to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    c = (torch.randn(v, h, generator=g, device=device) * h ** -0.5).to(dtype)
+    b = (torch.randn(v, generator=g, device=device) * 0.1).to(dtype)
+    return c, b
 
 
 def embed(block, v: int, before: int, after: int, seed: int):
