@@ -129,7 +129,7 @@ def linear_cross_entropy(
         gradients are not covered: ``dC`` sums over the tokens, and ``dE`` depends on the
         strategy (the budget and the rows choose it) and on GEMMs chosen by the number of
         rows. Costs a little forward speed at large batches and more at small ones (a fixed
-        vocabulary split; docs/design.md, section 11).
+        vocabulary split; docs/design.md, section 10).
 
     Returns
     -------
@@ -243,7 +243,7 @@ def linear_token_logprobs(
     gradients are not covered: that of ``weight`` sums over the tokens, and that of ``hidden``
     depends on the strategy (the budget and the rows choose it) and on GEMMs chosen by the
     number of rows. Costs a little forward speed at large batches and more at small ones (a
-    fixed vocabulary split; docs/design.md, section 11).
+    fixed vocabulary split; docs/design.md, section 10).
     """
     return _linear_token_logprobs.logprobs(
         hidden, weight, target, bias, tp_group, sequence_parallel, temperature, ignore_index,

@@ -16,9 +16,11 @@ from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_e
 def test_verl_signature_and_reductions():
     import inspect
 
-    params = list(inspect.signature(verl_linear_cross_entropy).parameters)
-    assert params == ["hidden", "weight", "labels", "temperature", "reduction",
-                      "dist_process_group"]
+    params = inspect.signature(verl_linear_cross_entropy).parameters
+    # verl's six, positional; then this package's keyword-only options
+    assert [k for k, p in params.items() if p.kind != p.KEYWORD_ONLY] == [
+        "hidden", "weight", "labels", "temperature", "reduction", "dist_process_group"]
+    assert [k for k, p in params.items() if p.kind == p.KEYWORD_ONLY] == ["batch_invariant"]
     g = torch.Generator().manual_seed(4)
     h, w = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
     labels = torch.randint(0, 33, (9,), generator=g)
