@@ -5,7 +5,8 @@ both outputs under random upstream gradients, side by side with the peers in one
         [--verl-dir DIR] [--budgets 0.5 0.375]
 
 Ours runs under its default memory budget (the ``ours`` row) and under each of ``--budgets``
-(GiB): at N=16384, H=4096 0.5 GiB saves the first logits columns and recomputes the rest, 0.375
+(GiB), each also with ``batch_invariant=True`` (the ``..., batch-invariant`` rows, and below the
+table their time over the default's at the same budget): at N=16384, H=4096 0.5 GiB saves the first logits columns and recomputes the rest, 0.375
 GiB recomputes all of them (the fp32 dE and one 128 MiB column chunk); 0 would narrow that chunk
 to one tile, the least memory and the slowest.
 
@@ -38,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import env, fp32_head  # noqa: E402
 from harness.errors import logprobs_reference, max_abs_diff, rel_max_diff  # noqa: E402
 from harness.peers.logprobs import (  # noqa: E402
-    GiB, TEMPERATURE, load_liger, load_verl, ours, ours_at, torch_chunked, torch_plain)
+    GiB, INVARIANT, TEMPERATURE, load_liger, load_verl, ours, ours_at, ours_invariant,
+    torch_chunked, torch_plain)
 from harness.report import fmt, table, write_report  # noqa: E402
 from harness.timing import Device  # noqa: E402
 
@@ -118,6 +120,12 @@ def markdown(report):
               fmt(r.get("err_de_rel"), ".1e", r.get("error", "-"))] for r in rows],
             "lrrrrrr")
         lines.append("")
+        ms = {r["impl"]: r["ms"] for r in rows if "ms" in r}
+        for name in [r["impl"] for r in rows if INVARIANT.format(r["impl"]) in ms]:
+            if name in ms:
+                lines.append(f"- `batch_invariant=True`, {name}: "
+                             f"{ms[INVARIANT.format(name)] / ms[name]:.3f}x the default's time")
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -130,6 +138,8 @@ def main():
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.5, 0.375],
                     help="rows of ours under these memory budgets (GiB)")
     ap.add_argument("--skip", nargs="*", default=[], help="implementations to leave out")
+    ap.add_argument("--no-invariant", action="store_true",
+                    help="leave out the batch_invariant=True rows")
     ap.add_argument("--warmup", type=float, default=25)
     ap.add_argument("--rep", type=float, default=200)
     ap.add_argument("--out", default=str(env.RESULTS / "logprobs_h200"))
@@ -143,6 +153,8 @@ def main():
     if args.fp32_head:
         return run_fp32_head(dev, args)
     impls = [("ours", ours)] + [ours_at(g) for g in args.budgets]
+    if not args.no_invariant:
+        impls += [ours_invariant()] + [ours_invariant(g) for g in args.budgets]
     if args.verl_dir:
         try:
             impls.append(("verl", load_verl(args.verl_dir)))

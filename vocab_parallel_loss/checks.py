@@ -177,6 +177,11 @@ def check_linear_dtypes(e: torch.Tensor, c: torch.Tensor, bias, e_name: str = "e
                          f"with {c_name} fp32 (an fp32 head); got {e.dtype} and {c.dtype}")
     if bias is not None and bias.dtype != c.dtype:
         raise ValueError(f"bias dtype {bias.dtype} differs from {c_name}'s {c.dtype}")
+def check_bool(name: str, value) -> None:
+    """A flag that must be a real ``bool`` (a tensor or a number would be taken for its truth
+    value, or fail later inside a kernel launch)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def check_impl(impl) -> None:

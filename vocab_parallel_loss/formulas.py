@@ -40,38 +40,61 @@ def relative_sums(stats: torch.Tensor, v_part: int) -> torch.Tensor:
     return stats
 
 
-def merge_partial_stats(parts: torch.Tensor):
+def ordered_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x.sum(dim=0)`` by a fixed pairwise tree of elementwise additions (halves added, an odd
+    last part carried to the next level): each element's sum is rounded in an order that
+    depends only on ``x.shape[0]``, on every device and whatever the other dims. A reduction
+    kernel may pick its order from the whole shape (the rows of the statistics among it); the
+    batch-invariant merges (``ordered=True`` below) take this one instead."""
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        head = x[:half] + x[half:2 * half]
+        x = torch.cat([head, x[2 * half:]]) if x.shape[0] % 2 else head
+    return x[0]
+
+
+def merge_partial_stats(parts: torch.Tensor, ordered: bool = False):
     """Merge ``(S, 4, N)`` statistics of ``S`` disjoint column ranges whose last row is the plain
     sum of logits (the fused linear kernels' vocabulary splits) into ``(m, s, x_t, sum_x)``.
 
     A range whose logits are all ``-inf`` has ``m = -inf`` and ``s = 0``; it adds nothing (no
     ``-inf - -inf`` NaN). A NaN anywhere in a row makes that row's ``m`` and ``s`` NaN.
+    ``ordered``: the sums over ranges by ``ordered_sum`` (batch-invariant statistics).
     """
     m_r, s_r = parts[:, 0], parts[:, 1]
     m = m_r.amax(dim=0)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    s = (s_r * torch.exp(m_r - m_safe)).sum(dim=0)
+    if ordered:
+        s, t, sx = ordered_sum(torch.stack([s_r * torch.exp(m_r - m_safe), parts[:, 2],
+                                            parts[:, 3]], dim=1))
+    else:
+        s, t, sx = (s_r * torch.exp(m_r - m_safe)).sum(dim=0), parts[:, 2].sum(dim=0), \
+            parts[:, 3].sum(dim=0)
     m = torch.where(torch.isnan(s), s, m)
-    return m, s, parts[:, 2].sum(dim=0), parts[:, 3].sum(dim=0)
+    return m, s, t, sx
 
 
-def merge_stats(parts: torch.Tensor, v_part: int):
+def merge_stats(parts: torch.Tensor, v_part: int, ordered: bool = False):
     """``(m, s, x_t, d)`` of the whole row from ``(S, 4, N)`` statistics of ``S`` disjoint
     column ranges of ``v_part`` columns each.
 
     A range whose logits are all ``-inf`` has ``m = -inf`` and ``s = 0``; it adds nothing to
     ``s`` (no ``-inf - -inf`` NaN) and ``-inf`` to ``d``. A NaN anywhere in a row makes that
-    row's ``m`` and ``s`` NaN.
+    row's ``m`` and ``s`` NaN. ``ordered``: the sums over ranges by ``ordered_sum``.
     """
     if parts.shape[0] == 1:
         return parts[0, 0], parts[0, 1], parts[0, 2], parts[0, 3]
     m_r, s_r, d_r = parts[:, 0], parts[:, 1], parts[:, 3]
     m = m_r.amax(dim=0)
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
-    s = (s_r * torch.exp(m_r - m_safe)).sum(dim=0)
-    d = (d_r + v_part * (m_r - m_safe)).sum(dim=0)
+    if ordered:
+        s, t, d = ordered_sum(torch.stack([s_r * torch.exp(m_r - m_safe), parts[:, 2],
+                                           d_r + v_part * (m_r - m_safe)], dim=1))
+    else:
+        s, t, d = (s_r * torch.exp(m_r - m_safe)).sum(dim=0), parts[:, 2].sum(dim=0), \
+            (d_r + v_part * (m_r - m_safe)).sum(dim=0)
     m = torch.where(torch.isnan(s), s, m)
-    return m, s, parts[:, 2].sum(dim=0), d
+    return m, s, t, d
 
 
 def token_loss(target, m, s, x_t, d, vocab_size: int, ignore_index: int, smoothing: float,
@@ -112,13 +135,14 @@ class LogprobArgs(NamedTuple):
     need_argmax: bool = False
 
 
-def merge_logprob_stats(parts: torch.Tensor):
+def merge_logprob_stats(parts: torch.Tensor, ordered: bool = False):
     """Merge ``(S, 5, N)`` log-prob statistics of ``S`` disjoint column ranges in column order
     (``kernels/logprobs.py``: max ``m``, ``s = sum exp(x - m)``, ``w = sum exp(x - m) (x - m)``,
     target logit, column of the max) into the same five rows for the union of the ranges.
 
     ``w`` is carried relative to the max, so the entropy ``log s - w / s`` of a row with a large
     common offset loses nothing to cancellation. Ties of the max keep the first range's column.
+    ``ordered``: the sums over ranges by ``ordered_sum`` (batch-invariant statistics).
     """
     if parts.shape[0] == 1:
         return tuple(parts[0])
@@ -127,12 +151,16 @@ def merge_logprob_stats(parts: torch.Tensor):
     m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
     alpha = torch.exp(m_r - m_safe)
     gap = torch.where(s_r > 0, (m_r - m_safe) * s_r, torch.zeros_like(s_r))
-    s = (alpha * s_r).sum(dim=0)
-    w = (alpha * (w_r + gap)).sum(dim=0)
+    if ordered:
+        s, w, x_t = ordered_sum(torch.stack([alpha * s_r, alpha * (w_r + gap), parts[:, 3]],
+                                            dim=1))
+    else:
+        s, w, x_t = (alpha * s_r).sum(dim=0), (alpha * (w_r + gap)).sum(dim=0), \
+            parts[:, 3].sum(dim=0)
     first = torch.argmax((m_r == m).to(torch.float32), dim=0)  # the first range holding the max
     col = parts[:, 4].gather(0, first[None])[0]
     m = torch.where(torch.isnan(s), s, m)
-    return m, s, w, parts[:, 3].sum(dim=0), col
+    return m, s, w, x_t, col
 
 
 def lse_low(m, s, lse):

@@ -81,6 +81,7 @@ def linear_cross_entropy(
     gradient_accumulation_fusion: bool = False,
     loss_mask: Optional[torch.Tensor] = None,
     fp32_precision: str = "fp32",
+    batch_invariant: bool = False,
 ):
     """Cross entropy of ``e @ c.T (+ bias)`` over the full (TP-sharded) vocabulary, fused.
 
@@ -137,6 +138,15 @@ def linear_cross_entropy(
         any other upstream gradient gets its exact gradient from a recompute launched every
         backward, whose kernels exit at once when it is not needed. The PyTorch backend
         recomputes (exact for any upstream gradient).
+    batch_invariant : each token's forward outputs (its loss with ``reduction="none"``, its
+        lse with ``return_lse=True``) are the same bits whatever batch it is computed in:
+        independent of the other rows, their number, the token's position and
+        ``memory_budget``, for a given backend, device, dtype, TP size and options (the
+        ``"mean"`` and ``"sum"`` reductions are sums over the tokens: not per token). The
+        gradients are not covered: ``dC`` sums over the tokens, and ``dE`` depends on the
+        strategy (the budget and the rows choose it) and on GEMMs chosen by the number of
+        rows. Costs a little forward speed at large batches and more at small ones (a fixed
+        vocabulary split; docs/design.md, section 10).
 
     Returns
     -------
@@ -151,7 +161,8 @@ def linear_cross_entropy(
     return _linear_cross_entropy.loss(e, c, targets, bias, ignore_index, softcap, reduction,
                                       shift, return_lse, tp_group, sequence_parallel,
                                       label_smoothing, z_loss, impl, memory_budget,
-                                      gradient_accumulation_fusion, loss_mask, fp32_precision)
+                                      gradient_accumulation_fusion, loss_mask, fp32_precision,
+                                      batch_invariant)
 
 
 def token_logprobs(
@@ -164,6 +175,7 @@ def token_logprobs(
     return_entropy: bool = False,
     return_argmax: bool = False,
     vocab_range: Optional[tuple] = None,
+    batch_invariant: bool = False,
 ) -> TokenLogprobs:
     """Per-token log-probability of ``target`` (and optionally the entropy and the argmax) under
     ``softmax(logits / temperature)`` over the full vocabulary, from this rank's vocabulary shard.
@@ -186,9 +198,17 @@ def token_logprobs(
     for float64 logits), ``entropy``/``argmax`` None unless asked for. Ignored tokens get 0
     (argmax is still given); a target outside the vocabulary gets a NaN log-prob. Both float
     outputs are differentiable, each with its own upstream gradient.
+
+    ``batch_invariant=True``: each token's log-prob, entropy and argmax are the same bits
+    whatever batch it is computed in (independent of the other rows, their number and its
+    position), for a given backend, device, dtype, TP size and options; so is the gradient of
+    its logits row (computed from that row alone). The Triton kernels are so already (one
+    program per row); the PyTorch backend then computes in blocks of one shape, and the TP
+    merge sums the ranks in one order.
     """
     return _token_logprobs.logprobs(logits, target, tp_group, temperature, ignore_index,
-                                    return_entropy, return_argmax, vocab_range)
+                                    return_entropy, return_argmax, vocab_range,
+                                    batch_invariant)
 
 
 def linear_token_logprobs(
@@ -210,6 +230,7 @@ def linear_token_logprobs(
     memory_budget: Optional[int] = None,
     gradient_accumulation_fusion: bool = False,
     fp32_precision: str = "fp32",
+    batch_invariant: bool = False,
 ) -> TokenLogprobs:
     """``token_logprobs`` of the logits ``cap(logit_scale * (hidden @ weight.T + bias))``
     without materializing them: the Triton kernels form them tile by tile (the fused linear
@@ -235,8 +256,17 @@ def linear_token_logprobs(
     ``weight.main_grad`` instead of returned, as for ``linear_cross_entropy``. ``weight`` may
     be fp32 with 16-bit ``hidden`` (an fp32 LM head), and ``fp32_precision`` chooses its
     products, as for ``linear_cross_entropy``.
+
+    ``batch_invariant=True``: each token's log-prob, entropy and argmax are the same bits
+    whatever batch it is computed in: independent of the other rows, their number, its
+    position and ``memory_budget``, for a given backend, device, dtype, TP size and options
+    (an RL trainer's recomputation of what an engine sampled with in another batch). The
+    gradients are not covered: that of ``weight`` sums over the tokens, and that of ``hidden``
+    depends on the strategy (the budget and the rows choose it) and on GEMMs chosen by the
+    number of rows. Costs a little forward speed at large batches and more at small ones (a
+    fixed vocabulary split; docs/design.md, section 10).
     """
     return _linear_token_logprobs.logprobs(
         hidden, weight, target, bias, tp_group, sequence_parallel, temperature, ignore_index,
         return_entropy, return_argmax, vocab_range, softcap, logit_scale, impl, memory_budget,
-        gradient_accumulation_fusion, fp32_precision)
+        gradient_accumulation_fusion, fp32_precision, batch_invariant)

@@ -72,12 +72,14 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
                  reduction: str = "mean", shift: int = 0, return_lse: bool = False, *,
                  tp_group=None, sequence_parallel: bool = False, label_smoothing: float = 0.0,
                  z_loss: float = 0.0, impl: str = "auto", memory_budget: Optional[float] = None,
-                 gradient_accumulation_fusion: bool = False, fp32_precision: str = "fp32"):
+                 gradient_accumulation_fusion: bool = False, fp32_precision: str = "fp32",
+                 batch_invariant: bool = False):
         super().__init__()
         # every option checked here, as linear_cross_entropy checks it, not at the first forward
         self.ignore_index = lce_contract.check_options(
             ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-            memory_budget, gradient_accumulation_fusion, tp_group, fp32_precision)
+            memory_budget, gradient_accumulation_fusion, tp_group, fp32_precision,
+            batch_invariant)
         self.softcap = softcap
         self.reduction = reduction
         self.shift = shift
@@ -90,6 +92,7 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
         self.memory_budget = memory_budget
         self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.fp32_precision = fp32_precision
+        self.batch_invariant = batch_invariant
 
     def forward(self, e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, loss_mask: Optional[torch.Tensor] = None):
@@ -101,7 +104,7 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
             label_smoothing=self.label_smoothing, z_loss=self.z_loss, impl=self.impl,
             memory_budget=self.memory_budget,
             gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-            fp32_precision=self.fp32_precision)
+            fp32_precision=self.fp32_precision, batch_invariant=self.batch_invariant)
 
     def extra_repr(self) -> str:
         return (f"reduction={self.reduction!r}, ignore_index={self.ignore_index}, "
@@ -110,4 +113,5 @@ class VocabParallelLinearCrossEntropy(_SharesGroup, nn.Module):
                 f"sequence_parallel={self.sequence_parallel}, impl={self.impl!r}, "
                 f"memory_budget={self.memory_budget}, "
                 f"gradient_accumulation_fusion={self.gradient_accumulation_fusion}, "
-                f"fp32_precision={self.fp32_precision!r}")
+                f"fp32_precision={self.fp32_precision!r}, "
+                f"batch_invariant={self.batch_invariant}")

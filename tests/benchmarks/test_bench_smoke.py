@@ -151,10 +151,12 @@ def test_bench_logprobs_smoke_cpu_writes_json_and_markdown(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(stem.with_suffix(".json").read_text())
     impls = {r["impl"]: r for r in report["rows"]}
-    assert {"ours", "torch", "torch chunked (TRL-style)"} <= set(impls)
+    assert {"ours", "torch", "torch chunked (TRL-style)", "ours, batch-invariant",
+            "ours @0.5 GiB, batch-invariant"} <= set(impls)
     for r in impls.values():
         assert "error" not in r and r["err_logp"] < 1e-4 and r["err_de_rel"] < 1e-4
-    assert "| ours |" in stem.with_suffix(".md").read_text()
+    md = stem.with_suffix(".md").read_text()
+    assert "| ours |" in md and "`batch_invariant=True`, ours: " in md
 
 
 def test_bench_logprobs_fp32_head_smoke_cpu(tmp_path):

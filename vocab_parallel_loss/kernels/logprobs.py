@@ -144,8 +144,11 @@ def _scalar_or_rows(temperature_inv: torch.Tensor):
     return temperature_inv, (0 if temperature_inv.numel() == 1 else temperature_inv.stride(0))
 
 
-def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap, out):
-    """Write ``(5, N)`` statistics of the RowView ``view`` into ``out`` (see the module doc)."""
+def stats(view, target, inv_t, col_start: int, valid: int, scale: float, softcap, out,
+          invariant: bool = False):
+    """Write ``(5, N)`` statistics of the RowView ``view`` into ``out`` (see the module doc).
+    Batch-invariant as they are: a row is one program whose blocks and warps depend on
+    ``valid`` only, so ``invariant`` changes nothing."""
     n = target.numel()
     if n == 0:
         return

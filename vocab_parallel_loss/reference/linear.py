@@ -4,6 +4,12 @@ over row blocks, the log-prob mode's over column chunks; fp32 (fp64 for float64 
 Same contract as the Triton backend (``kernels.linear.forward_stats`` / ``backward``, with
 ``logprob=LogprobArgs`` the log-prob mode); the fallback without Triton or a GPU, and the
 backend for float64 inputs.
+
+Batch-invariant statistics (``forward_stats(..., invariant=True)``) take blocks of one shape:
+``logprobs.invariant_rows`` rows of ``e`` (the last block padded with zero rows) by at most
+``INVARIANT_COLS`` columns of ``c`` (padded with zero rows to ``logprobs.INVARIANT_ALIGN``), so
+that every GEMM and reduction has the same shape whatever the rows, and the column blocks'
+statistics are merged by ``formulas.ordered_sum``.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import functools
 
 import torch
 
-from ..formulas import LOG_UNDERFLOW, LogprobArgs, compute_dtype, merge_logprob_stats
+from ..formulas import (LOG_UNDERFLOW, LogprobArgs, compute_dtype, merge_logprob_stats,
+                        merge_partial_stats)
 from ..layout import RowView
 from ..runtime import compiling, no_autocast
 from . import logprobs as rows
@@ -24,6 +31,9 @@ TORCH_CHUNK_BYTES = 64 * 1024 * 1024
 #: Bytes of one fp32 column chunk of logits in the log-prob mode (fp64 for float64 inputs):
 #: 128 MiB keeps the GEMMs at 16384 x 2048 x H, full size on the H200.
 LOGPROB_CHUNK_BYTES = 128 * 1024 * 1024
+
+#: Columns of one batch-invariant block at most (a multiple of ``logprobs.INVARIANT_ALIGN``).
+INVARIANT_COLS = 16384
 
 
 @contextlib.contextmanager
@@ -97,9 +107,12 @@ class TorchBackend:
     @classmethod
     @_own_precision
     def forward_stats(cls, e, c, bias, targets, v_offset, softcap, need_sumx,
-                      logprob: LogprobArgs = None):
+                      logprob: LogprobArgs = None, invariant: bool = False):
         """``(4, N)`` statistics of the loss; with ``logprob`` the ``(5, N)`` log-prob
-        statistics (``need_sumx`` ignored)."""
+        statistics (``need_sumx`` ignored); ``invariant``: batch-invariant (the module doc)."""
+        if invariant:
+            return cls._invariant_stats(e, c, bias, targets, v_offset, softcap, need_sumx,
+                                        logprob)
         if logprob is not None:
             return cls._logprob_stats(e, c, bias, targets, v_offset, softcap, logprob)
         n, v = e.shape[0], c.shape[0]
@@ -122,6 +135,80 @@ class TorchBackend:
             stats[3, r0:r1] = x.sum(dim=1) if need_sumx else 0.0
             del x
         return stats
+
+    @classmethod
+    def _invariant_stats(cls, e, c, bias, targets, v_offset, softcap, need_sumx,
+                         lp: LogprobArgs = None):
+        """``forward_stats`` in blocks of one shape (the module doc)."""
+        n, h = e.shape
+        v = c.shape[0]
+        acc = compute_dtype(e.dtype)
+        dev = e.device
+        k = 4 if lp is None else 5
+        if n == 0 or v == 0:  # no rows, or no columns: the merge's neutral element
+            stats = torch.zeros((k, n), dtype=acc, device=dev)
+            stats[0] = float("-inf")
+            return stats
+        vp = rows.padded_width(v)
+        cols = min(INVARIANT_COLS, vp)
+        block = rows.invariant_rows(cols)
+        ea = torch.zeros((-(-n // block) * block, h), dtype=acc, device=dev)
+        ea[:n] = e
+        ca = torch.zeros((vp, h), dtype=acc, device=dev)
+        ca[:v] = c
+        ba = None
+        if bias is not None:
+            ba = torch.zeros((vp,), dtype=acc, device=dev)
+            ba[:v] = bias
+        tp = torch.full((ea.shape[0],), -1, dtype=torch.long, device=dev)
+        tp[:n] = targets.long() - v_offset  # local columns; -1 in no block
+        inv = None
+        if lp is not None:
+            inv = lp.inv_t.to(acc)
+            if inv.numel() == 1:
+                inv = inv.reshape(1, 1)
+            else:
+                inv = torch.ones((ea.shape[0], 1), dtype=acc, device=dev)
+                inv[:n, 0] = lp.inv_t.to(acc)
+        stats = torch.empty((k, n), dtype=acc, device=dev)
+        merge = merge_partial_stats if lp is None else merge_logprob_stats
+        for r0 in range(0, n, block):
+            r1 = min(n, r0 + block)
+            er = ea[r0:r0 + block]
+            parts = []
+            for c0 in range(0, vp, cols):
+                c1 = min(vp, c0 + cols)
+                z = er @ ca[c0:c1].t()
+                if ba is not None:
+                    z = z + ba[c0:c1]
+                t_local = tp[r0:r0 + block] - c0
+                if lp is not None:
+                    ir = inv if inv.shape[0] == 1 else inv[r0:r0 + block]
+                    parts.append(rows.padded_stats(z, t_local, ir, min(v, c1) - c0,
+                                                   v_offset + c0, lp.scale, softcap))
+                else:
+                    parts.append(cls._padded_loss_stats(z, t_local, min(v, c1) - c0, softcap,
+                                                        need_sumx))
+            part = torch.stack(merge(torch.stack(parts), ordered=True))
+            stats[:, r0:r1] = part[:, :r1 - r0]
+        return stats
+
+    @classmethod
+    def _padded_loss_stats(cls, z, t_local, valid: int, softcap, need_sumx: bool):
+        """The loss's ``(4, rows)`` statistics of a block of raw logits whose columns at or
+        past ``valid`` are padding; every reduction over all of its columns."""
+        x = softcap * torch.tanh(z / softcap) if softcap else z
+        live = torch.arange(z.shape[1], device=z.device)[None, :] < valid
+        xm = torch.where(live, x, torch.full((), float("-inf"), dtype=x.dtype, device=x.device))
+        m = xm.amax(dim=1)
+        m_safe = torch.where(m == float("-inf"), torch.zeros_like(m), m)
+        s = torch.exp(xm - m_safe[:, None]).sum(dim=1)
+        inr = (t_local >= 0) & (t_local < valid)
+        tg = x.gather(1, torch.where(inr, t_local, torch.zeros_like(t_local))[:, None])[:, 0]
+        tg = torch.where(inr, tg, torch.zeros_like(tg))
+        sx = (torch.where(live, x, torch.zeros_like(x)).sum(dim=1) if need_sumx
+              else torch.zeros_like(m))
+        return torch.stack([m, s, tg, sx])
 
     @classmethod
     @_own_precision

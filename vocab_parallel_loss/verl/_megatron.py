@@ -18,6 +18,8 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
     An fp32 output weight (an fp32 LM head, kept fp32 through Float16Module by
     ``vocab_parallel_loss.megatron.keep_output_layer_fp32``) takes the 16-bit hidden states as
     they are.
+    ``batch_invariant`` (default False: ``linear_token_logprobs``', each token's outputs the
+    same bits in any batch).
     The hidden states arrive ``[s, b, h]`` (sequence-sharded under sequence parallelism); the
     classifier is the output layer's weight shard (or the shared embedding weight that
     megatron-core passes as ``output_weight``). Under the config's
@@ -45,6 +47,7 @@ def output_processor(*, hidden_states, output_layer, output_weight=None, labels=
                                 sequence_parallel=sp, temperature=temperature,
                                 ignore_index=ctx.get("ignore_index", -100), return_entropy=True,
                                 memory_budget=ctx.get("memory_budget"),
+                                batch_invariant=ctx.get("batch_invariant", False),
                                 logit_scale=output_logit_scale(config),
                                 fp32_precision=ctx.get("fp32_precision", "fp32"),
                                 gradient_accumulation_fusion=accumulates_into_main_grad(

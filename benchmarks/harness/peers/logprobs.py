@@ -19,17 +19,29 @@ GiB = 2**30
 TEMPERATURE = 0.9
 
 
-def ours(h, w, t, memory_budget=None):
+#: The name of a batch-invariant row: ``INVARIANT.format(name of its default twin)``.
+INVARIANT = "{}, batch-invariant"
+
+
+def ours(h, w, t, memory_budget=None, batch_invariant=False):
     from vocab_parallel_loss import linear_token_logprobs
 
     out = linear_token_logprobs(h, w, t, temperature=TEMPERATURE, return_entropy=True,
-                                memory_budget=memory_budget)
+                                memory_budget=memory_budget, batch_invariant=batch_invariant)
     return out.log_probs, out.entropy
 
 
 def ours_at(gib):
     """Ours under ``memory_budget`` = ``gib`` GiB (the default budget is the ``ours`` row)."""
     return f"ours @{gib:g} GiB", lambda h, w, t: ours(h, w, t, int(gib * GiB))
+
+
+def ours_invariant(gib=None):
+    """Ours with ``batch_invariant=True``, under the default budget or ``gib`` GiB: the twin of
+    the ``ours`` / ``ours_at(gib)`` row."""
+    name = "ours" if gib is None else f"ours @{gib:g} GiB"
+    budget = None if gib is None else int(gib * GiB)
+    return INVARIANT.format(name), lambda h, w, t: ours(h, w, t, budget, batch_invariant=True)
 
 
 def torch_plain(h, w, t):

@@ -16,12 +16,12 @@ from vocab_parallel_loss.verl import linear_cross_entropy as verl_linear_cross_e
 def test_verl_signature_and_reductions():
     import inspect
 
-    sig = inspect.signature(verl_linear_cross_entropy).parameters
-    params = [n for n, p in sig.items() if p.kind != p.KEYWORD_ONLY]
-    assert params == ["hidden", "weight", "labels", "temperature", "reduction",
-                      "dist_process_group"]
-    # this package's options come after verl's, keyword only, with defaults
-    assert all(p.default is not p.empty for p in sig.values() if p.kind == p.KEYWORD_ONLY)
+    params = inspect.signature(verl_linear_cross_entropy).parameters
+    # verl's six, positional; then this package's keyword-only options
+    assert [k for k, p in params.items() if p.kind != p.KEYWORD_ONLY] == [
+        "hidden", "weight", "labels", "temperature", "reduction", "dist_process_group"]
+    assert [k for k, p in params.items() if p.kind == p.KEYWORD_ONLY] == [
+        "fp32_precision", "batch_invariant"]
     g = torch.Generator().manual_seed(4)
     h, w = torch.randn(9, 8, generator=g), torch.randn(33, 8, generator=g)
     labels = torch.randint(0, 33, (9,), generator=g)

@@ -25,7 +25,7 @@ there) or ``VPL_LCE_CONFIG``.
 from . import config
 from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
-from .fused import backward, forward_split, forward_stats
+from .fused import backward, forward_split, forward_stats, invariant_tiles
 from .gated import zero_unless
 from .gemm import gemm_acc, gemm_store
 from .rounding import scaled_round
@@ -43,5 +43,5 @@ __all__ = [
     "backward",
     "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
-    "gif_chunk_rows", "scaled_round", "zero_unless",
+    "gif_chunk_rows", "invariant_tiles", "scaled_round", "zero_unless",
 ]

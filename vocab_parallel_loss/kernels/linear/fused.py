@@ -42,6 +42,7 @@ entropy's gradient) from a sixth coefficient row. Without it the kernels compile
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -148,10 +149,12 @@ def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.cons
 @triton.jit
 def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, MT, stride_un,
                      HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr,
+                     WRITE: tl.constexpr = True):
     """``_fold_tile`` that also saves the tile for backward: ``u = exp(x - mt)`` in U's dtype
     (in (0, 1], so bf16 keeps 8 bits of every probability) and the tile's row max ``mt`` in
-    ``MT[vt, rows]``; the statistics are folded from the fp32 values."""
+    ``MT[vt, rows]``; the statistics are folded from the fp32 values. Without ``WRITE`` nothing
+    is saved: the same statistics, rounded as when the tile is saved (``SAVED_FOLD``)."""
     x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
                              NEED_SUMX, BLOCK_V)
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -161,13 +164,15 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
     # u * exp(mt - lse) is 0 and mt + log u finite
     mts = tl.where(mt == float("-inf"), LOWEST, mt)
     u = tl.exp(x - mts[:, None])
-    if DESC_U:  # the copy engine stores the tile asynchronously and clips it at (N, V)
-        U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
-    else:
-        cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
-        u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
-        tl.store(u_ptrs, u.to(U.dtype.element_ty), mask=row_mask[:, None] & (cols < V)[None, :])
-    tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mts, mask=row_mask)
+    if WRITE:
+        if DESC_U:  # the copy engine stores the tile asynchronously and clips it at (N, V)
+            U.store([rb * BLOCK_N, vt * BLOCK_V], u.to(U.dtype))
+        else:
+            cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+            u_ptrs = U + rows.to(tl.int64)[:, None] * stride_un + cols[None, :].to(tl.int64)
+            tl.store(u_ptrs, u.to(U.dtype.element_ty),
+                     mask=row_mask[:, None] & (cols < V)[None, :])
+        tl.store(MT + tl.cast(vt, tl.int64) * N + rows, mts, mask=row_mask)
     m_new = tl.maximum(m, mts)
     s = s * tl.exp(m - m_new) + tl.sum(u, axis=1) * tl.exp(mts - m_new)
     return m_new, s, tg, sx
@@ -228,17 +233,21 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
 def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col, U, MT,
           stride_un, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
           LOGPROB: tl.constexpr, NEED_ARGMAX: tl.constexpr, STORE: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr,
+          SAVED_FOLD: tl.constexpr = False):
     """One tile into the running statistics: the loss's (``sx``: sum of logits) or, with
-    ``LOGPROB``, the log-prob's (``sx``: the entropy's ``w``)."""
+    ``LOGPROB``, the log-prob's (``sx``: the entropy's ``w``). ``SAVED_FOLD``: the loss folds
+    every tile as the saved-tiles forward does, saved or not, so that its statistics are the
+    same bits under every strategy (the log-prob fold is one arithmetic with or without
+    ``STORE`` already)."""
     if LOGPROB:
         m, s, sx, tg, best_col = _fold_logprob_tile(
             x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, sx, tg, best_col, U,
             MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U)
-    elif STORE:
+    elif STORE or SAVED_FOLD:
         m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx,
                                         U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX,
-                                        BLOCK_N, BLOCK_V, DESC_U)
+                                        BLOCK_N, BLOCK_V, DESC_U, STORE)
     else:
         m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS,
                                   HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
@@ -255,14 +264,16 @@ def _lce_fwd_kernel(
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
     FLAT: tl.constexpr, STORE: tl.constexpr, DESC_U: tl.constexpr, LOGPROB: tl.constexpr,
-    NEED_ARGMAX: tl.constexpr,
+    NEED_ARGMAX: tl.constexpr, SAVED_FOLD: tl.constexpr = False,
 ):
     """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
     (tile, H step) that folds a tile into the statistics after its last step, so that the
     software pipeline keeps loading the next tile's operands during that epilogue. With
     ``STORE`` every tile is also saved for backward (``_fold_store_tile``). With ``LOGPROB``
     the statistics are the log-prob's five (``_fold_logprob_tile``) of ``cap(scale z) / T``,
-    ``1 / T`` per row from ``INV_T`` (``stride_it`` 0 for one temperature)."""
+    ``1 / T`` per row from ``INV_T`` (``stride_it`` 0 for one temperature). ``SAVED_FOLD``
+    (batch-invariant statistics): the loss's tiles folded as ``STORE`` folds them, saved or
+    not (``_fold``)."""
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -296,7 +307,7 @@ def _lce_fwd_kernel(
                 m, s, tg, sx, best_col = _fold(
                     acc, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx,
                     best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB,
-                    NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U)
+                    NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U, SAVED_FOLD)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
         for vt in range(t_begin, t_end):
@@ -308,7 +319,7 @@ def _lce_fwd_kernel(
             m, s, tg, sx, best_col = _fold(
                 x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col,
                 U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB, NEED_ARGMAX, STORE,
-                BLOCK_N, BLOCK_V, DESC_U)
+                BLOCK_N, BLOCK_V, DESC_U, SAVED_FOLD)
 
     m = tl.where(s == 0.0, float("-inf"), m)  # no finite logit: the merges' max of -inf
     if LOGPROB:  # kernels/logprobs.py's five rows: m, s, w, target x, global column of the max
@@ -473,11 +484,49 @@ def _forward_splits(num_rb: int, num_vt: int, sms: int) -> int:
     return best
 
 
-def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device):
+#: Row blocks at which the batch-invariant split count is compared with ``_forward_splits``'
+#: choice: 1K to 64K tokens at 128-row blocks.
+INVARIANT_ROW_BLOCKS = (8, 32, 128, 512)
+
+
+@functools.lru_cache(maxsize=None)
+def _invariant_splits(num_vt: int, sms: int) -> int:
+    """Vocabulary splits of the batch-invariant forward: one count for every number of rows,
+    so that a row's statistics are folded over the same tiles and merged over the same splits
+    in any batch. The count whose estimated run (``_forward_splits``' cost: waves times tiles
+    per program plus half a tile) is the closest, at its worst, to that of the count chosen
+    per grid over ``INVARIANT_ROW_BLOCKS``: on 132 multiprocessors at 594 tiles (V = 151936)
+    33 splits, within 2% of the per-grid choice from 1K to 64K tokens. Smaller batches fill
+    fewer multiprocessors than the per-grid count would (3.4x its estimate at 128 rows)."""
+    def cost(num_rb: int, s: int) -> float:
+        tiles = triton.cdiv(num_vt, s)
+        return triton.cdiv(num_rb * triton.cdiv(num_vt, tiles), sms) * (tiles + 0.5)
+
+    best, best_worst = 1, None
+    for s in range(1, num_vt + 1):
+        worst = max(cost(rb, s) / cost(rb, _forward_splits(rb, num_vt, sms))
+                    for rb in INVARIANT_ROW_BLOCKS)
+        if best_worst is None or worst < best_worst:
+            best, best_worst = s, worst
+    return best
+
+
+def invariant_tiles(V: int, cfg: LCEConfig, device: torch.device) -> int:
+    """Vocabulary tiles per forward split of the batch-invariant statistics of ``V`` local
+    columns: from ``V``, the tile config and the device only (``cfg.split``, or
+    ``_invariant_splits``' count when it is 0), never from the rows."""
+    num_vt = triton.cdiv(V, cfg.fwd_block_v)
+    return triton.cdiv(num_vt, cfg.split or _invariant_splits(num_vt, multiprocessors(device)))
+
+
+def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device,
+                  tiles_per_split: Optional[int] = None):
     """The forward's vocabulary splits per row block and tiles per split (every split
-    non-empty): ``cfg.split``, or ``_forward_splits``' choice when it is 0."""
+    non-empty): ``cfg.split``, or ``_forward_splits``' choice when it is 0; with
+    ``tiles_per_split`` (``invariant_tiles``) that many tiles per split."""
     num_rb, num_vt = triton.cdiv(N, cfg.fwd_block_n), triton.cdiv(V, cfg.fwd_block_v)
-    tiles = triton.cdiv(num_vt, cfg.split or _forward_splits(num_rb, num_vt, multiprocessors(device)))
+    tiles = tiles_per_split or triton.cdiv(
+        num_vt, cfg.split or _forward_splits(num_rb, num_vt, multiprocessors(device)))
     return triton.cdiv(num_vt, tiles), tiles
 
 
@@ -485,8 +534,9 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   targets: torch.Tensor, v_offset: int, softcap: Optional[float],
                   need_sumx: bool, config: Optional[LCEConfig] = None,
                   saved: Optional["SavedTiles"] = None,
-                  logprob: Optional[LogprobArgs] = None,
-                  precision: Optional[str] = None) -> torch.Tensor:
+                  logprob: Optional[LogprobArgs] = None, precision: Optional[str] = None,
+                  invariant: bool = False, tiles_per_split: Optional[int] = None,
+                  parts: bool = False) -> torch.Tensor:
     """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
 
     ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
@@ -494,13 +544,23 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     ``saved`` (``saved_tiles``) the logits are also saved for backward in that buffer. With
     ``logprob`` the statistics are instead the log-prob's ``(5, N)`` of ``cap(scale z) / T``
     (``formulas.merge_logprob_stats``; ``need_sumx`` is ignored). ``precision``: the products
-    of fp32 operands (``common.FP32_PRECISIONS``; None: the config's).
+    of fp32 operands (``checks.FP32_PRECISIONS``; None: the config's).
+
+    ``invariant``: batch-invariant statistics, each row's the same bits whatever the other rows,
+    their number and the strategy: ``tiles_per_split`` tiles per split (``invariant_tiles`` of
+    ``V`` when None), every tile folded as a saved one is (``SAVED_FOLD``), the splits merged by
+    ``formulas.ordered_sum``. ``parts``: the ``(splits, k, N)`` statistics of the splits,
+    unmerged (a caller merging several column ranges at once).
     """
     cfg = _call_config(config, e.device, precision).for_tiles(compute_dtype(e.dtype, c.dtype))
     N, H = e.shape
     V = c.shape[0]
     k = 4 if logprob is None else 5
-    stats = torch.empty((k, N), dtype=torch.float32, device=e.device)
+    if invariant and tiles_per_split is None:
+        tiles_per_split = invariant_tiles(V, cfg, e.device)
+    split, tiles_per_split = forward_split(N, V, cfg, e.device, tiles_per_split)
+    stats = torch.empty((split, k, N) if parts else (k, N), dtype=torch.float32,
+                        device=e.device)
     if N == 0:
         return stats
     BN, BV, BH = cfg.fwd_block_n, cfg.fwd_block_v, cfg.fwd_block_h
@@ -508,8 +568,8 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if saved is not None and saved.block_v != BV:
         raise ValueError(f"saved tiles of {saved.block_v} columns, the forward's are {BV}")
     num_rb = triton.cdiv(N, BN)
-    split, tiles_per_split = forward_split(N, V, cfg, e.device)
-    part = stats if split == 1 else torch.empty((split, k, N), dtype=torch.float32, device=e.device)
+    part = stats if split == 1 or parts else torch.empty((split, k, N), dtype=torch.float32,
+                                                        device=e.device)
     grid = (num_rb * split,)
     desc = cfg.fwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
@@ -531,13 +591,13 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
         LOGPROB=logprob is not None, NEED_ARGMAX=logprob is not None and logprob.need_argmax,
         num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_stages, **PINNED,
+        num_stages=cfg.fwd_stages, **PINNED, **({"SAVED_FOLD": True} if invariant else {}),
     )
-    if split == 1:
+    if split == 1 or parts:
         return stats
     if logprob is not None:
-        return torch.stack(merge_logprob_stats(part))
-    return torch.stack(merge_partial_stats(part))
+        return torch.stack(merge_logprob_stats(part, ordered=invariant))
+    return torch.stack(merge_partial_stats(part, ordered=invariant))
 
 
 def _row_scale(logprob: Optional[LogprobArgs], dummy: torch.Tensor):

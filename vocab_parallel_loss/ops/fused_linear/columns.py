@@ -20,27 +20,39 @@ from ...formulas import LogprobArgs, merge_logprob_stats, merge_partial_stats
 
 def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: bool,
                     saved_cols: Optional[int] = None, logprob: Optional[LogprobArgs] = None,
-                    precision: str = "fp32"):
+                    precision: str = "fp32", invariant: bool = False):
     """Local statistics of the columns of ``c`` (``(4, N)``, or ``(5, N)`` with ``logprob``)
     and the saved tiles (None unless ``saved_cols``): with ``saved_cols`` the logits tiles of
     the first ``saved_cols`` columns are saved (in fp32 when ``e2`` or ``c`` is fp32), the rest
-    get statistics only, merged in. ``precision``: the products of fp32 operands."""
+    get statistics only, merged in. ``precision``: the products of fp32 operands.
+
+    ``invariant``: batch-invariant statistics (``forward_stats``' ``invariant``). With some
+    columns saved, both ranges are cut into the splits of the whole ``c``
+    (``invariant_tiles``; ``saved_cols`` is a whole number of them, ``strategy.py``) and all
+    their splits merged at once, so that the rows get the bits of one pass over ``c``."""
     if saved_cols is None:
         return backend.forward_stats(e2, c, bias, t, v_offset, softcap, need_sumx,
-                                     logprob=logprob, precision=precision), None
+                                     logprob=logprob, precision=precision,
+                                     invariant=invariant), None
     cfg = backend.default_config(e2.device, precision)
     v = c.shape[0]
     vs = min(saved_cols, v)
-    saved = backend.saved_tiles(e2.shape[0], vs, torch.promote_types(e2.dtype, c.dtype),
-                                e2.device, cfg)
+    tiles = torch.promote_types(e2.dtype, c.dtype)
+    saved = backend.saved_tiles(e2.shape[0], vs, tiles, e2.device, cfg)
+    split = {}
+    if invariant and vs < v:  # splits of all of c, their statistics unmerged
+        split = dict(tiles_per_split=backend.invariant_tiles(v, cfg.for_tiles(tiles), e2.device),
+                     parts=True)
     stats = backend.forward_stats(e2, c[:vs], None if bias is None else bias[:vs], t, v_offset,
-                                  softcap, need_sumx, config=cfg, saved=saved, logprob=logprob)
+                                  softcap, need_sumx, config=cfg, saved=saved, logprob=logprob,
+                                  invariant=invariant, **split)
     if vs < v:
         rest = backend.forward_stats(e2, c[vs:], None if bias is None else bias[vs:], t,
                                      v_offset + vs, softcap, need_sumx, config=cfg,
-                                     logprob=logprob)
+                                     logprob=logprob, invariant=invariant, **split)
         merge = merge_partial_stats if logprob is None else merge_logprob_stats
-        stats = torch.stack(merge(torch.stack([stats, rest])))
+        parts = torch.cat([stats, rest]) if invariant else torch.stack([stats, rest])
+        stats = torch.stack(merge(parts, ordered=invariant))
     return stats, saved
 
 

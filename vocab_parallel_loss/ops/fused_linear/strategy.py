@@ -107,7 +107,7 @@ def fallback_chunk_bytes(n: int, v: int, size: int, chunk: int, cfg) -> int:
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
                     softcap, smoothing: float, memory_budget, main_grad: bool = False,
-                    masked: bool = False):
+                    masked: bool = False, invariant: bool = False):
     """The ``Strategy``: the fastest way to form the gradients whose extra memory fits
     ``memory_budget`` bytes (docs/design.md, section 7, "Strategies"), among those the backend
     runs (``backend.STRATEGIES``).
@@ -117,7 +117,9 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     TP: the backend must run ``"grad_in_forward"``).
 
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
-    takes the same path and runs the same collectives."""
+    takes the same path and runs the same collectives. ``invariant`` (batch-invariant
+    statistics): the first columns saved are a whole number of the forward's splits
+    (``invariant_tiles``), so that the statistics come from the splits of one pass."""
     if "saved" not in backend.STRATEGIES or not torch.is_grad_enabled():
         return _RECOMPUTE
     if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
@@ -126,6 +128,7 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     world = communication.world_size(group)
     # the saved tiles and dlogits chunks are fp32 when either operand is (an fp32 head)
     h, v, size = e.shape[-1], c.shape[0], max(e.element_size(), c.element_size())
+    cfg = cfg.for_tiles(torch.float32 if size == 4 else e.dtype)  # the tiles the kernels take
     n = e.numel() // max(h, 1) * (world if sequence_parallel else 1)
     # saved tiles (also those of the gradients in forward): without the logit, the softcap
     # slope of an underflowed probability is unknown, and smoothing needs it
@@ -170,7 +173,10 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         tile = cfg.fwd_block_v
         per_tile = backend.saved_bytes(n, tile, size, cfg)
         tiles = int((budget - recompute) // per_tile)
-        if tiles >= 1:
+        if invariant:  # whole splits
+            per_split = backend.invariant_tiles(v, cfg, e.device)
+            tiles = tiles // per_split * per_split
+        if tiles >= 1 and (not invariant or tiles * tile < v):
             return Strategy("saved", size=min(tiles * tile, v - 1))
     if recompute <= budget:
         return _RECOMPUTE

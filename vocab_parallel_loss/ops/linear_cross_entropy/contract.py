@@ -37,14 +37,16 @@ class LinearLossOptions:
     masked: bool = False  # "grad_in_forward" for a per-token loss, formed for its loss mask
     # (``masked.py``)
     fp32_precision: str = "fp32"  # the products of fp32 operands (``checks.FP32_PRECISIONS``)
+    invariant: bool = False  # batch-invariant statistics and merges (``batch_invariant``)
 
 
 def check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
                   memory_budget, gradient_accumulation_fusion, tp_group=None,
-                  fp32_precision="fp32") -> int:
+                  fp32_precision="fp32", batch_invariant=False) -> int:
     """The tensor-free options; returns ``ignore_index`` as an int."""
     checks.check_group(tp_group)
     checks.check_fp32_precision(fp32_precision)
+    checks.check_bool("batch_invariant", batch_invariant)
     checks.check_reduction(reduction)
     checks.check_smoothing(label_smoothing)
     checks.check_z_loss(z_loss)
@@ -81,13 +83,15 @@ def check_loss_mask(loss_mask, targets, reduction) -> None:
 
 def check(e, c, targets, bias, ignore_index, softcap, reduction, shift, group,
           sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-          gradient_accumulation_fusion, loss_mask=None, fp32_precision="fp32") -> None:
+          gradient_accumulation_fusion, loss_mask=None, fp32_precision="fp32",
+          batch_invariant=False) -> None:
     """Every argument of one call: raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_float("e", e)
     checks.check_float("c", c)
     checks.check_target_dtype(targets, "targets")
     check_options(ignore_index, softcap, reduction, shift, label_smoothing, z_loss, impl,
-                  memory_budget, gradient_accumulation_fusion, group, fp32_precision)
+                  memory_budget, gradient_accumulation_fusion, group, fp32_precision,
+                  batch_invariant)
     if e.dim() < 2:
         raise ValueError(f"e must be (..., H) with at least one leading dim, got shape {tuple(e.shape)}")
     if c.dim() != 2:

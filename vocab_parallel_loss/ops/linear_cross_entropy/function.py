@@ -86,12 +86,14 @@ def _merge(stats: torch.Tensor, v_local: int, o: "LinearLossOptions", shapes: tu
         relative_sums(stats, v_local)
     if communication.world_size(o.group) == 1:
         return merge_stats(stats.unsqueeze(0), v_local), None
+    # batch-invariant: the ranks' statistics summed in one order whatever the rows
     n = stats.shape[1]
     send = stats.new_zeros(communication.stats_size(4, n))
     send[:4 * n].view(4, n).copy_(stats)
     communication.put_shapes(send, 4, n, shapes[:2])
     gathered = communication.gather_stats(send, o.group)
-    m, s, x_t, d = merge_stats(communication.gathered_stats(gathered, 4, n), v_local)
+    m, s, x_t, d = merge_stats(communication.gathered_stats(gathered, 4, n), v_local,
+                               ordered=o.invariant)
     agree = communication.shapes_agree(communication.gathered_shapes(gathered, 4, n), shapes)
     return (_nan_unless(agree, m), s, x_t, d), gathered
 
@@ -148,7 +150,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 saved_cols = v_local if o.saved_cols is None else o.saved_cols
             stats, saved = forward_columns(o.backend, e2, c, bias, t2, v_offset, o.softcap,
                                            o.smoothing > 0, saved_cols,
-                                           precision=o.fp32_precision)
+                                           precision=o.fp32_precision, invariant=o.invariant)
             if saved is not None:
                 ctx.tile_v = saved.block_v
             row_stats, gathered = _merge(stats, v_local, o, shapes)
@@ -372,7 +374,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
         tiles = K.rows_of(buf, r1 - r0)
         er, tr = e2[r0:r1], t2[r0:r1]
         stats = K.forward_stats(er, c, bias, tr, v_offset, o.softcap, o.smoothing > 0,
-                                config=cfg, saved=tiles)
+                                config=cfg, saved=tiles, invariant=o.invariant)
         (m_r, s_r, tgt_r, d_r), gathered = _merge(stats, v, o, shapes)
         first = gathered if i == 0 else first
         row_stats[:, r0:r1] = torch.stack([m_r, s_r, tgt_r, d_r])
@@ -389,12 +391,13 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
 
 def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_lse, tp_group,
          sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-         gradient_accumulation_fusion, loss_mask=None, fp32_precision="fp32"):
+         gradient_accumulation_fusion, loss_mask=None, fp32_precision="fp32",
+         batch_invariant=False):
     """``functional.linear_cross_entropy`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(e, c, targets, bias, ignore_index, softcap, reduction, shift, tp_group,
                    sequence_parallel, label_smoothing, z_loss, impl, memory_budget,
-                   gradient_accumulation_fusion, loss_mask, fp32_precision)
+                   gradient_accumulation_fusion, loss_mask, fp32_precision, batch_invariant)
     ignore_index = int(ignore_index)
     targets = checks.widened_target(targets, ignore_index, "targets")
     if settings.flag(settings.CHECK_TARGETS, False):
@@ -409,7 +412,7 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
     smoothing = float(label_smoothing)
     strategy = choose_strategy(backend, e, c, bias, reduction, sequence_parallel, tp_group,
                                softcap, smoothing, memory_budget, gradient_accumulation_fusion,
-                               masked=loss_mask is not None)
+                               masked=loss_mask is not None, invariant=batch_invariant)
     masked_gif = loss_mask is not None and strategy.name == "grad_in_forward"
     o = LinearLossOptions(
         ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=int(shift),
@@ -420,7 +423,7 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
         saved_cols=strategy.size if strategy.name == "saved" else None,
         gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
         seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion,
-        masked=masked_gif, fp32_precision=fp32_precision)
+        masked=masked_gif, fp32_precision=fp32_precision, invariant=batch_invariant)
     mask = loss_mask.detach() if masked_gif else None  # (unused by the other strategies)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
         out, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o, mask)

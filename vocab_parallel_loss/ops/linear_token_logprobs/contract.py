@@ -9,10 +9,12 @@ from ... import checks
 
 
 def check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-          gradient_accumulation_fusion, tp_group, fp32_precision="fp32") -> None:
+          gradient_accumulation_fusion, tp_group, fp32_precision="fp32",
+          batch_invariant=False) -> None:
     """Raises ``TypeError``/``ValueError`` naming the argument."""
     checks.check_group(tp_group)
     checks.check_fp32_precision(fp32_precision)
+    checks.check_bool("batch_invariant", batch_invariant)
     checks.check_float("hidden", hidden)
     checks.check_float("weight", weight)
     checks.check_impl(impl)

@@ -58,7 +58,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 keep = v if st.size is None else st.size
             stats, saved = forward_columns(K, e2, c[:v], None if bias is None else bias[:v], t,
                                            o.col_start, o.softcap, False, keep,
-                                           LogprobArgs(inv_t, o.scale, need_argmax), precision)
+                                           LogprobArgs(inv_t, o.scale, need_argmax), precision,
+                                           invariant=o.invariant)
         logp, ent, lse, col, ignored, bad, bad_ent, _ = finish(stats, t, o, bad_t)
         kept = () if saved is None else (saved.u, saved.tile_max, stats[3])
         ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad, bad_ent, *kept)
@@ -132,7 +133,8 @@ def from_hidden(backend, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequenc
     ``main_grad`` the gradient of ``c`` is added into ``c.main_grad`` (``main_grad.py``);
     ``fp32_precision``: the products of fp32 operands (``checks.FP32_PRECISIONS``)."""
     st: Strategy = choose_strategy(backend, e, c, bias, "none", sequence_parallel, o.group,
-                                   o.softcap, 0.0, memory_budget, main_grad)
+                                   o.softcap, 0.0, memory_budget, main_grad,
+                                   invariant=o.invariant)
     plan = (backend, st, need_argmax, main_grad, fp32_precision)
     args = (e, c, bias, t, inv_t, bad_t, o, sequence_parallel, plan)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
@@ -142,11 +144,12 @@ def from_hidden(backend, e, c, bias, t, inv_t, bad_t, o: LogprobOptions, sequenc
 
 def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperature,
              ignore_index, return_entropy, return_argmax, vocab_range, softcap, logit_scale,
-             impl, memory_budget, gradient_accumulation_fusion, fp32_precision="fp32"):
+             impl, memory_budget, gradient_accumulation_fusion, fp32_precision="fp32",
+             batch_invariant=False):
     """``functional.linear_token_logprobs`` (see there): check, options, backend and strategy,
     then the Function."""
     contract.check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
-                   gradient_accumulation_fusion, tp_group, fp32_precision)
+                   gradient_accumulation_fusion, tp_group, fp32_precision, batch_invariant)
     world = communication.world_size(tp_group)
     sp = bool(sequence_parallel) and world > 1
     lead = list(hidden.shape[:-1])
@@ -159,7 +162,8 @@ def logprobs(hidden, weight, target, bias, tp_group, sequence_parallel, temperat
     backend = backends.linear_backend(impl, hidden)
     o = logprob_contract.options(tp_group, weight.shape[0], vocab_range, ignore_index,
                                  float(logit_scale), None if softcap is None else float(softcap),
-                                 None, seq_rows)  # no row backend: the engine's stats
+                                 None, seq_rows,  # no row backend: the engine's stats
+                                 batch_invariant=batch_invariant)
     inv_t, bad_t = logprob_contract.inverse_temperature(temperature, target, hidden)
     lp, ent, col = from_hidden(backend, hidden, weight, bias, t, inv_t, bad_t, o, sp,
                                bool(return_argmax), memory_budget, gradient_accumulation_fusion,

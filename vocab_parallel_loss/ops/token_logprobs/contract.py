@@ -35,6 +35,7 @@ class LogprobOptions(NamedTuple):
     shapes: tuple  # this rank's shapes, gathered with the statistics and checked there
     # (``communication.SHAPE_SLOTS``): columns, rows of e and the rows the targets give it
     # (sequence parallel, else 0, 0), the ids (start, stop) its columns hold
+    invariant: bool = False  # batch-invariant statistics and merges (``batch_invariant``)
 
     @property
     def sequence_rows(self) -> int:
@@ -63,12 +64,15 @@ def flat_targets(target, lead, device) -> torch.Tensor:
 
 
 def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
-            seq_rows=(0, 0)) -> LogprobOptions:
+            seq_rows=(0, 0), batch_invariant: bool = False) -> LogprobOptions:
     """The options of this rank's ``v_local`` columns. ``vocab_range`` is checked here only
     without tensor parallelism; with it, the ranks' ranges travel with the statistics and are
     checked there on every rank (``communication.check_shapes``), so that a rank whose range
     is wrong does not raise alone while the others wait in the all-gather. ``seq_rows``: this
-    rank's rows of the hidden states and the rows the targets give it (sequence parallel)."""
+    rank's rows of the hidden states and the rows the targets give it (sequence parallel).
+    ``batch_invariant`` (a bool, else ``TypeError``): the outputs of a token the same bits in
+    any batch (``functional.token_logprobs``)."""
+    checks.check_bool("batch_invariant", batch_invariant)
     if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
         raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
     world = communication.world_size(group)
@@ -82,7 +86,8 @@ def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
                              f"without tensor parallelism, got {tuple(vocab_range)}")
     valid = min(max(stop - start, 0), v_local)  # a wrong range reads no column past the shard
     return LogprobOptions(group, start, valid, int(ignore_index), stop if world == 1 else 0,
-                          scale, softcap, rows, (v_local, *seq_rows, start, stop))
+                          scale, softcap, rows, (v_local, *seq_rows, start, stop),
+                          batch_invariant)
 
 
 def inverse_temperature(temperature, target, like):

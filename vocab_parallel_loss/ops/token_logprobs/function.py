@@ -57,7 +57,8 @@ def finish(stats, t, o: LogprobOptions, bad_t=None):
     log-prob or entropy get a NaN gradient (``upstream_grad``), ``low`` is the lse's low part
     (``formulas.lse_low``)."""
     parts, agree, vocab = _gather(stats, o)
-    m, s, w, x_t, col = merge_logprob_stats(parts)
+    # batch-invariant: the ranks' statistics summed in one order whatever the rows
+    m, s, w, x_t, col = merge_logprob_stats(parts, ordered=o.invariant)
     logp, ent, lse = logprob_and_entropy(m, s, w, x_t)
     low = lse_low(m, s, lse)
     if agree is not None:  # shards that disagree: NaN on every rank, without a host sync
@@ -111,7 +112,8 @@ class _FromLogits(torch.autograd.Function):
         stats = torch.empty((5, n), dtype=torch.float64 if f64 else torch.float32,
                             device=logits.device)
         if n:
-            o.rows.stats(view, t, inv_t, o.col_start, o.valid, o.scale, o.softcap, stats)
+            o.rows.stats(view, t, inv_t, o.col_start, o.valid, o.scale, o.softcap, stats,
+                         invariant=o.invariant)
         else:
             stats.zero_()
         logp, ent, lse, col, ignored, bad, bad_ent, low = finish(stats, t, o, bad_t)
@@ -157,12 +159,13 @@ def rows_backend(kernels: bool, dtype):
 
 
 def logprobs(logits, target, tp_group, temperature, ignore_index, return_entropy,
-             return_argmax, vocab_range):
+             return_argmax, vocab_range, batch_invariant=False):
     """``functional.token_logprobs`` (see there): check, options, backend, then the Function."""
     contract.check(logits, tp_group)
     t = contract.flat_targets(target, logits.shape[:-1], logits.device)
     o = contract.options(tp_group, logits.shape[-1], vocab_range, ignore_index, 1.0, None,
-                         rows_backend(backends.triton_runs(logits), logits.dtype))
+                         rows_backend(backends.triton_runs(logits), logits.dtype),
+                         batch_invariant=batch_invariant)
     inv_t, bad_t = contract.inverse_temperature(temperature, target, logits)
     lp, ent, col = from_logits(logits, t, inv_t, bad_t, o)
     return contract.shaped(lp, ent, col, target.shape, return_entropy, return_argmax)
