@@ -44,6 +44,17 @@ def test_a_block_gets_the_same_bits_in_any_batch(op, dtype, impl, tiles):
             <= seen, seen
 
 
+@pytest.mark.parametrize("op", ["linear_token_logprobs", "linear_cross_entropy"])
+def test_an_fp32_head_gets_the_same_bits_in_any_batch(op, impl):
+    """An fp32 head (fp32 weight, bf16 hidden states: the weight split into bf16 parts in the
+    kernels) is batch-invariant too, at every strategy (its tiles are fp32)."""
+    c, b = weights(H, V, torch.float32, "cpu")
+    block = block_case(BLOCK, H, V, torch.bfloat16, "cpu")
+    seen = check_block(op, block, c, b, impl=impl)
+    if impl == "triton":
+        assert {"saved", "recompute"} <= seen, seen
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_lse_of_a_mean_loss_under_every_strategy(dtype, impl):
     # a scalar loss adds the gradients-in-forward strategy; its lse is per token
