@@ -105,3 +105,36 @@ def scaling_curves(report: dict, path: Path, target: float) -> None:
     m = report["meta"]
     fig.suptitle(f"{m['device']} x {m['world_size']} ({m['backend']})" + (" — CPU smoke" if m["cpu_smoke"] else ""))
     _save(plt, fig, path, 110)
+
+
+def long_context_memory(report: dict, path: Path) -> None:
+    """Peak memory against sequence length, one panel per vocabulary, one line per run (tools/
+    megatron_lm_long_context.py); a run's out-of-memory length marked at the limit, the memory
+    model's predictions dotted."""
+    plt = _pyplot()
+    rows = report["results"]
+    vocabs = sorted({r["vocab"] for r in rows})
+    if not vocabs:
+        return
+    limit = report["meta"].get("limit_gib")
+    fig, axes = plt.subplots(1, len(vocabs), figsize=(6.5 * len(vocabs), 4.6), squeeze=False)
+    for ax, v in zip(axes[0], vocabs):
+        runs = list(dict.fromkeys(r["run"] for r in rows if r["vocab"] == v))
+        for i, run in enumerate(runs):
+            mine = sorted((r for r in rows if r["vocab"] == v and r["run"] == run), key=lambda r: r["seq"])
+            ok = [r for r in mine if r["status"] == "ok" and r.get("peak_memory_gib") is not None]
+            color = f"C{i}"
+            ax.plot([r["seq"] for r in ok], [r["peak_memory_gib"] for r in ok], marker="o", color=color, label=run)
+            pred = [r for r in mine if r.get("predicted_gib") is not None]
+            ax.plot([r["seq"] for r in pred], [r["predicted_gib"] for r in pred], ls=":", color=color, lw=1)
+            oom = [r["seq"] for r in mine if r["status"] == "oom"]
+            if oom and limit:
+                ax.scatter(oom, [limit] * len(oom), marker="x", s=60, color=color)
+        if limit:
+            ax.axhline(limit, color="black", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("sequence length (tokens per micro-batch)")
+        ax.set_ylabel("peak memory (GiB)")
+        ax.set_title(f"V = {v}: measured (solid), predicted (dotted), OOM (x at the limit)", fontsize=9)
+        ax.legend(fontsize=7)
+    _save(plt, fig, path, 110)
