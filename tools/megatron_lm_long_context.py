@@ -38,7 +38,8 @@ the same command in the next call goes on where this one stopped: results alread
 not run again (``--rerun`` runs them again). ``--merge`` reads earlier results files (the
 same model); ``--results`` is written after every run (JSON; markdown and a plot of peak memory
 against sequence length beside it, a failed plot noted in the JSON, never losing the numbers).
-Logs go to ``--out``. ``--dry-run`` writes the scripts and prints the commands and estimates.
+Logs go to ``--out``. ``--dry-run`` writes the scripts and prints the commands and estimates, the memory model's
+predicted out-of-memory lengths standing in for measured ones.
 """
 
 from __future__ import annotations
@@ -125,6 +126,11 @@ def step_flops(m: memory.Shape, fused_strategy: Optional[str]) -> float:
     flops = 6 * n * memory.params(m) + (2 * n * h * m.vocab if fused_strategy == "recompute" else 0)
     attention = (12 if m.attention == "local" else 7) * m.seq * m.seq * h * m.layers * m.micro_batch
     return flops + attention
+
+
+def dict_replace(a, **kw):
+    """A copy of the parsed arguments ``a`` with ``kw`` set."""
+    return argparse.Namespace(**dict(vars(a), **kw))
 
 
 def estimate_seconds(name: str, vocab: int, seq: int, a, startup: float) -> float:
@@ -314,11 +320,9 @@ def main(argv=None) -> int:
     startup = measured_startup(list(results.values()), a.iters) or a.startup_s
     print(f"Megatron-LM {checkout} ({layout} layout, recipe {recipe}); attention {a.attention}; "
           f"start-up estimate {startup:.0f} s; {len(results)} results merged", flush=True)
-    pending = []
-    for vocab in vocabs:
-        for name in names:
-            for seq in seqs:
-                pending.append((vocab, name, seq))
+    # every run at a length before the next length: each call's results compare the runs
+    pending = [(vocab, name, seq) for vocab in vocabs for seq in seqs for name in names]
+    total = 0.0
     for vocab, name, seq in pending:
         k = (vocab, seq, name)
         m = shape(vocab, seq, a)
@@ -331,15 +335,20 @@ def main(argv=None) -> int:
         if stop is not None:
             print(f"-- {name} V={vocab} seq={seq}: not started ({stop['status']} at seq {stop['seq']})", flush=True)
             continue
-        est = estimate_seconds(name, vocab, seq, a, startup)
+        oom_predicted = predicted > a.limit_gib
+        # a run out of memory stops in its first iteration
+        est = estimate_seconds(name, vocab, seq, dict_replace(a, iters=1) if oom_predicted else a, startup)
         flags = model_flags(vocab, seq, a) + ["--train-iters", str(a.iters)] + run_flags(name, a)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-               str((script if RUNS[name][1] else native_script).resolve()), *flags]
+               str((script if name.startswith("ours") else native_script).resolve()), *flags]
         print(f"\n== {name} V={vocab} seq={seq}: estimated {est:.0f} s, predicted peak {predicted:.1f} GiB"
               + (" (OOM predicted)" if predicted > a.limit_gib else "") + (f", {strategy}" if strategy else ""),
               flush=True)
         print(shlex.join(cmd), flush=True)
-        if a.dry_run:
+        if a.dry_run:  # the predictions stand in for the results: what the sweep would start
+            total += est
+            if oom_predicted:
+                results[k] = dict(vocab=vocab, seq=seq, run=name, status="oom", predicted_gib=predicted)
             continue
         left = None if a.max_seconds is None else a.max_seconds - (time.monotonic() - t0)
         if left is not None and est > left:
@@ -368,7 +377,10 @@ def main(argv=None) -> int:
               + f"peak {report.fmt(r['peak_memory_gib'], '.2f', 'n/a')} GiB (predicted {predicted:.1f}), "
               f"{wall:.0f} s" + (f"; log tail:\n{text[-2000:]}" if status == "failed" else ""), flush=True)
         write(a.results, dict(meta=meta, results=list(results.values())))
-    if not a.dry_run and results:
+    if a.dry_run:
+        print(f"\ndry run: {total:.0f} s estimated for the runs above (a run predicted out of memory "
+              f"counted as its start-up and one iteration, and not started at longer lengths)")
+    elif results:
         for path in write(a.results, dict(meta=meta, results=list(results.values()))):
             print(f"wrote {path}")
     return 0
