@@ -36,7 +36,7 @@ start-up is measured from earlier results once there are some); with ``--max-sec
 that would end past it is not started (and one still running then is stopped, not recorded), so
 the same command in the next call goes on where this one stopped: results already present are
 not run again (``--rerun`` runs them again). ``--merge`` reads earlier results files (the
-same model); ``--results`` is written after every run (JSON; markdown and a plot of peak memory
+same model; a missing one is skipped); ``--results`` is written after every run (JSON; markdown and a plot of peak memory
 against sequence length beside it, a failed plot noted in the JSON, never losing the numbers).
 Logs go to ``--out``. ``--dry-run`` writes the scripts and prints the commands and estimates, the memory model's
 predicted out-of-memory lengths standing in for measured ones.
@@ -303,6 +303,9 @@ def main(argv=None) -> int:
                     [x for x in (argv if argv is not None else sys.argv[1:]) if x != str(a.megatron_lm)]))
     results: Dict[tuple, dict] = {}
     for path in a.merge + ([a.results] if a.results.exists() else []):
+        if not path.exists():  # the first call of a series: nothing to merge yet
+            print(f"--merge {path}: no such file, nothing merged from it", flush=True)
+            continue
         merge(results, load(path, meta))
     a.out.mkdir(parents=True, exist_ok=True)
     site = a.out / "site"

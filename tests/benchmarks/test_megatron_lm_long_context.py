@@ -121,7 +121,8 @@ def test_sweep_records_oom_skips_longer_lengths_and_merges(checkout, tmp_path, m
     # a later call: merged with the first, the same results not run again, native not started
     calls.clear()
     second = tmp_path / "second.json"
-    tool.main(_args(checkout, tmp_path, "--seq", "1024,4096", "--results", str(second), "--merge", str(first)))
+    tool.main(_args(checkout, tmp_path, "--seq", "1024,4096", "--results", str(second), "--merge", str(first),
+                    str(tmp_path / "missing.json")))
     assert sorted(calls) == [("ours", 4096), ("ours_fused_linear", 4096), ("ours_fused_linear_small", 4096)]
     assert "not started (oom at seq 1024)" in capsys.readouterr().out
     merged = {(r["run"], r["seq"]) for r in json.loads(second.read_text())["results"]}
