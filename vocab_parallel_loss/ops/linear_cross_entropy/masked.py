@@ -80,6 +80,7 @@ def backward(formed: list, grad_loss, grad_lse, coef: torch.Tensor, e, e2, c, bi
         cfg = cfg.replace(chunk_bytes=o.chunk_bytes)
     _, _, db_x = K.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de, need_dc,
                             need_db, config=cfg, de_acc=de_f, dc_acc=dc_f, skip=skip)
+    del de_f, dc_f  # ``formed`` alone holds them: each is released once rounded
     db = torch.where(ok, db_f * k, db_x) if need_db else None
     tp = world > 1
 
