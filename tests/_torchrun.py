@@ -149,6 +149,16 @@ def _write(results: dict) -> None:
         Path(path).write_text(json.dumps(results, indent=1))
 
 
+def compiled_collectives_run(device) -> bool:
+    """In a torchrun worker: whether its torch.compile'd TP cases can run on ``device``. Dynamo
+    turns torch.distributed collectives into PyTorch's functional collectives, which end the
+    process (a segmentation fault, torch 2.11 on H100 and H200) on a gloo group with CUDA
+    tensors, as when the ranks share one GPU; gloo with CPU tensors and NCCL run them."""
+    import torch.distributed as dist
+
+    return device.type != "cuda" or dist.get_backend() != "gloo"
+
+
 def init_worker_process_group():
     """In a torchrun worker: the process group and this rank's device, from
     ``$VPL_TEST_DEVICE``: ``cpu`` (default), gloo; ``cuda``, nccl on this rank's GPU

@@ -22,7 +22,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import end_worker, init_worker_process_group, run_checks
+from tests._torchrun import (compiled_collectives_run, end_worker, init_worker_process_group,
+                             run_checks)
 
 from tests._budgets import device_columns, narrow_chunk_config, one_saved_tile_budget
 from tests._linear_oracle import reference_grads
@@ -225,7 +226,8 @@ def main() -> int:
              if impl == "triton" or not case.get("gif") or case.get("masked")]
     cases += [(f"{impl}/reused group", lambda impl=impl: check_reused_group(impl=impl))
               for impl in impls]
-    if "torch" in impls:  # dynamo traces the PyTorch backend (the Triton one is a graph break)
+    # dynamo traces the PyTorch backend (the Triton one is a graph break)
+    if "torch" in impls and compiled_collectives_run(DEVICE):
         cases.append(("torch/compiled unequal sequence shards",
                       lambda: check_compiled_unequal_sequence_shards(impl="torch")))
     run_checks(cases, summary="linear cases passed")

@@ -20,7 +20,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tests._torchrun import end_worker, init_worker_process_group, run_checks
+from tests._torchrun import (compiled_collectives_run, end_worker, init_worker_process_group,
+                             run_checks)
 from tests._budgets import device_columns, narrow_chunk_config, one_saved_tile_budget
 from tests._logprobs_oracle import oracle
 from vocab_parallel_loss import backends, linear_token_logprobs, token_logprobs
@@ -342,7 +343,8 @@ def group_checks(impls):
             yield f"{impl}/groups/reused/{op}", on(impl, case_reused_group, op)
             yield f"{impl}/groups/wrong ranges/{op}", on(impl, case_wrong_ranges, op)
         yield f"{impl}/groups/unequal sequence shards", on(impl, case_unequal_sequence_shards)
-    if "torch" in impls:  # dynamo traces the PyTorch backend (the Triton one is a graph break)
+    # dynamo traces the PyTorch backend (the Triton one is a graph break)
+    if "torch" in impls and compiled_collectives_run(DEVICE):
         yield ("torch/groups/compiled unequal sequence shards",
                on("torch", case_compiled_unequal_sequence_shards))
 

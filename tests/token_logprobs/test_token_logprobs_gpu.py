@@ -7,7 +7,8 @@ GPU: over logits (``token_logprobs``) and from hidden states (``linear_token_log
 strategy of the fused engine: every tile saved, the first tile saved and the rest recomputed a
 tile at a time, everything recomputed), equal shards and unequal ones through ``vocab_range``,
 sequence parallelism, scalar and per-token temperatures, both backends, against the fp64
-full-vocabulary oracle.
+full-vocabulary oracle. The torch.compile'd case stays on CPU: PyTorch's functional collectives
+end the process on a gloo group with CUDA tensors (``tests._torchrun.compiled_collectives_run``).
 """
 
 import pytest
@@ -30,4 +31,4 @@ def test_tp_ranks_sharing_the_gpu(nproc, tmp_path):
     impls = ["triton", "torch"]
     got = torchrun_results(WORKER, nproc, ",".join(impls), results=tmp_path / "results.json",
                            timeout=900, device=SHARED_DEVICE)
-    check_both_ops(got, impls)
+    check_both_ops(got, impls, compiled=False)
