@@ -3,10 +3,13 @@
 One Triton GEMM ``z = a @ b.T`` (``a`` hidden (M, K), ``b`` weight rows (N, K)) in each way of
 forming fp32-class products, against fp64, with PyTorch's fp32 matmul (TF32 off / on) beside
 it. Modes: ``bf16`` (both operands rounded to bf16, the scale), ``tf32``, ``tf32x3``,
-``bf16x3``, ``bf16x6`` (Triton's own split products), ``ieee`` (CUDA cores), and
-``w3_pre`` / ``x6_pre`` (the split made before the GEMM:
-weight only / both operands, six products), ``w3`` (hidden in bf16, the fp32 weight split in the kernel into three bf16 parts: exact
-products when the hidden states are bf16 values, as an fp32 head's cast ones are).
+``bf16x3``, ``bf16x6`` (Triton's own split products), ``x6`` (both operands split in the kernel
+into three bf16 parts, six products: what the package runs for two fp32 operands), ``x6_acc``
+(the same products summed into the running accumulator, whose tensor-core sums truncate them),
+``ieee`` (CUDA cores), ``w3_pre`` / ``x6_pre`` (the split made before the GEMM: weight only /
+both operands, six products), ``w3`` (hidden in bf16, the fp32 weight split in the kernel into
+three bf16 parts: exact products when the hidden states are bf16 values, as an fp32 head's cast
+ones are). The split modes sum each K step's products into a fresh accumulator, then add it.
 
     python benchmarks/probe_fp32_dots.py --m 8192 --k 4096 --n 16384
 """
@@ -56,15 +59,15 @@ def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constex
         b = tl.load(b_ptrs)
         if MODE == 1:  # hidden bf16, weight fp32 split in three bf16 parts
             hi, mid, lo = _split3(b)
-            acc = tl.dot(a, lo, acc)
-            acc = tl.dot(a, mid, acc)
-            acc = tl.dot(a, hi, acc)
+            step = tl.dot(a, lo)
+            step = tl.dot(a, mid, step)
+            acc += tl.dot(a, hi, step)
         elif MODE == 2:  # hidden bf16 widened to fp32 (exact in tf32), weight tf32x3
             acc = tl.dot(a.to(tl.float32), b, acc, input_precision="tf32x3")
         elif MODE == 3:  # weight pre-split in three bf16 tensors (B, B2, B3)
-            acc = tl.dot(a, tl.load(b3_ptrs), acc)
-            acc = tl.dot(a, tl.load(b2_ptrs), acc)
-            acc = tl.dot(a, b, acc)
+            step = tl.dot(a, tl.load(b3_ptrs))
+            step = tl.dot(a, tl.load(b2_ptrs), step)
+            acc += tl.dot(a, b, step)
             b2_ptrs += BK
             b3_ptrs += BK
         elif MODE == 4:  # both pre-split in three bf16 parts: the six products of bf16x6
@@ -72,16 +75,34 @@ def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constex
             a3 = tl.load(a3_ptrs)
             b2 = tl.load(b2_ptrs)
             b3 = tl.load(b3_ptrs)
-            acc = tl.dot(a3, b, acc)
-            acc = tl.dot(a, b3, acc)
-            acc = tl.dot(a2, b2, acc)
-            acc = tl.dot(a2, b, acc)
-            acc = tl.dot(a, b2, acc)
-            acc = tl.dot(a, b, acc)
+            step = tl.dot(a3, b)
+            step = tl.dot(a, b3, step)
+            step = tl.dot(a2, b2, step)
+            step = tl.dot(a2, b, step)
+            step = tl.dot(a, b2, step)
+            acc += tl.dot(a, b, step)
             a2_ptrs += BK
             a3_ptrs += BK
             b2_ptrs += BK
             b3_ptrs += BK
+        elif MODE == 5:  # both split in the kernel: the six products (the package's "x6")
+            a0, a1, a2 = _split3(a)
+            b0, b1, b2 = _split3(b)
+            step = tl.dot(a2, b0)
+            step = tl.dot(a1, b1, step)
+            step = tl.dot(a0, b2, step)
+            step = tl.dot(a1, b0, step)
+            step = tl.dot(a0, b1, step)
+            acc += tl.dot(a0, b0, step)
+        elif MODE == 6:  # as 5, summed into the running accumulator (truncated by the MMAs)
+            a0, a1, a2 = _split3(a)
+            b0, b1, b2 = _split3(b)
+            acc = tl.dot(a2, b0, acc)
+            acc = tl.dot(a1, b1, acc)
+            acc = tl.dot(a0, b2, acc)
+            acc = tl.dot(a1, b0, acc)
+            acc = tl.dot(a0, b1, acc)
+            acc = tl.dot(a0, b0, acc)
         else:
             acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BK
@@ -104,6 +125,10 @@ def run_mode(mode, a32, b32, cfg):
     elif mode == "w3_pre":
         a, kind = a32.bfloat16(), 3
         b, b2, b3 = split3(b32)
+    elif mode == "x6":
+        a, b, kind = a32, b32, 5
+    elif mode == "x6_acc":
+        a, b, kind = a32, b32, 6
     elif mode == "x6_pre":
         kind = 4
         a, a2, a3 = split3(a32)
@@ -148,7 +173,7 @@ def main():
     p.add_argument("--m", type=int, default=8192)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=16384)
-    p.add_argument("--modes", default="bf16,tf32,tf32x3,bf16x3,bf16x6,w3,w_tf32x3,w3_pre,x6_pre,ieee")
+    p.add_argument("--modes", default="bf16,tf32,tf32x3,bf16x3,bf16x6,x6,w3,w_tf32x3,w3_pre,x6_pre,ieee")
     p.add_argument("--hidden-bf16", action="store_true",
                    help="hidden states hold bf16 values (an fp32 head's cast)")
     args = p.parse_args()
