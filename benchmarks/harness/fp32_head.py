@@ -2,7 +2,8 @@
 the LM head's weight is fp32 (what RL trainers run against the training-inference mismatch),
 forward only and forward + backward of both outputs.
 
-Rows: ours with fp32 and with bf16 hidden states at each ``fp32_precision``; PyTorch row chunks
+Rows: ours with fp32 and with bf16 hidden states at each ``fp32_precision``, under the default
+memory budget and a stated 0.5 GiB, and with ``batch_invariant=True``; PyTorch row chunks
 in fp32 with TF32 off and on; verl's fused kernel fed fp32 inputs (``--verl-dir``); ours on bf16
 weights for scale. Errors are the largest absolute errors of the log-probs and the entropy
 against fp64 on the first ``REF_ROWS`` tokens of the hidden states as given.
@@ -23,12 +24,17 @@ from .report import fmt, table
 REF_ROWS = 512
 
 
-def ours(precision: str) -> Callable:
+#: the stated memory budget of the ``..., 0.5 GiB`` rows
+SMALL_BUDGET = 0.5 * 2**30
+
+
+def ours(precision: str, budget=None, invariant: bool = False) -> Callable:
     def run(h, w, t):
         from vocab_parallel_loss import linear_token_logprobs
 
         out = linear_token_logprobs(h, w, t, temperature=TEMPERATURE, return_entropy=True,
-                                    fp32_precision=precision)
+                                    fp32_precision=precision, memory_budget=budget,
+                                    batch_invariant=invariant)
         return out.log_probs, out.entropy
     return run
 
@@ -67,6 +73,11 @@ def implementations(verl=None) -> List[Tuple[str, str, str, Callable]]:
             ("ours, fp32_precision=tf32", "fp32", "fp32", ours("tf32")),
             ("ours, bf16 hidden, fp32_precision=fp32", "bf16", "fp32", ours("fp32")),
             ("ours, bf16 hidden, fp32_precision=tf32", "bf16", "fp32", ours("tf32")),
+            ("ours, fp32_precision=fp32, 0.5 GiB", "fp32", "fp32", ours("fp32", SMALL_BUDGET)),
+            ("ours, bf16 hidden, fp32_precision=fp32, 0.5 GiB", "bf16", "fp32",
+             ours("fp32", SMALL_BUDGET)),
+            ("ours, bf16 hidden, fp32_precision=fp32, batch-invariant", "bf16", "fp32",
+             ours("fp32", invariant=True)),
             ("torch fp32 rows, TF32 off", "fp32", "fp32", torch_rows(False)),
             ("torch fp32 rows, TF32 on", "fp32", "fp32", torch_rows(True))]
     if verl is not None:
