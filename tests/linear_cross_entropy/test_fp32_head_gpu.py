@@ -31,9 +31,9 @@ def _case(n, h, v, hidden, seed=0):
 
 def _budgets(e, c):
     n, h = e.shape
-    return {"saved": None, "split": one_saved_tile_budget(K, n, h, c.shape[0], 4,
-                                                          K.default_config(e.device)),
-            "recompute": 0}
+    split = one_saved_tile_budget(K, n, h, c.shape[0], 4, K.default_config(e.device),
+                                  e_size=e.element_size())
+    return {"saved": None, "split": split, "recompute": 0}
 
 
 @pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])

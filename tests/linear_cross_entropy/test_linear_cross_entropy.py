@@ -534,6 +534,11 @@ def test_recompute_counts_de_beyond_the_returned_gradient(monkeypatch):
     # the whole chunk beside the fp32 dE fits once the returned dE is not counted twice
     assert pick(max(2 * n * h + chunk, 4 * n * h)) == ("recompute", None, None)
     assert pick(2 * n * h + chunk - 1) == ("recompute", chunk - 1, None)
+    # an fp32 head with bf16 hidden states: fp32 tiles, a bf16 dE returned beside the fp32 one
+    c = c.detach().float().requires_grad_()
+    need = max(2 * n * h + chunk, 4 * n * h)
+    assert pick(need) == ("recompute", None, None)
+    assert pick(need - 1).chunk_bytes is not None
 
 
 def test_strategy_follows_memory_budget(monkeypatch):

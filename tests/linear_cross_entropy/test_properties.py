@@ -58,8 +58,9 @@ def plan_call(plan, e, c):
         return "torch", None
     if plan == "split":
         n, h = e.shape
-        return "triton", one_saved_tile_budget(K, n, h, c.shape[0], e.element_size(),
-                                               K.INTERPRET_CONFIG)
+        return "triton", one_saved_tile_budget(K, n, h, c.shape[0],
+                                               max(e.element_size(), c.element_size()),
+                                               K.INTERPRET_CONFIG, e_size=e.element_size())
     return "triton", 0 if plan == "recompute" else None
 
 

@@ -164,7 +164,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
                 return Strategy("grad_in_forward", chunk_bytes=fallback, size=rows)
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
-    de_hold, de_round = recompute_de_bytes(n, h, size, e.requires_grad,
+    # (the dE returned is in e's dtype, whatever the tiles')
+    de_hold, de_round = recompute_de_bytes(n, h, e.element_size(), e.requires_grad,
                                            sequence_parallel and world > 1)
     recompute = max(de_hold + chunk, de_round)
     if saved_ok and n:
