@@ -37,6 +37,7 @@ from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_ho
 from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
 from ..fused_linear.strategy import choose_strategy, gif_round_dc_first
 from . import contract, masked
+from .formed import round_formed
 from .contract import LinearLossOptions
 
 
@@ -255,10 +256,7 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
                      need_db: bool, home=None):
     """Gradients of the strategy that formed them in forward for an upstream gradient of 1:
     ``formed``, the fp32 ``[dE, dC, dbias]``, scaled by the loss's upstream gradient and
-    rounded once. Each accumulator is released (taken out of ``formed``) once rounded, so the
-    second rounding never holds both, in the order of the lower peak
-    (``strategy.gif_round_dc_first``; ``gif_fixed_bytes`` counts it). The caller refuses a
-    second backward.
+    rounded once (``formed.round_formed``). The caller refuses a second backward.
     With the lse output's gradient, its recompute pass adds into the scaled fp32 accumulators
     first. Returns ``(dE fp32 or already in e.dtype, dC in c.dtype or None when added into
     ``home``, dbias)``."""
@@ -284,31 +282,9 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
             dc = dc32 if c.dtype == torch.float32 else dc32.to(c.dtype)
         return de32, dc, db
 
-    def rounded(acc, dtype):  # fp32 inputs: the accumulator, scaled in place, is the gradient
-        out = acc if dtype == torch.float32 else torch.empty_like(acc, dtype=dtype)
-        return o.backend.scaled_round(acc, gl, out)
-
-    def round_dc():
-        dc_f, formed[1] = formed[1], None
-        if home is not None:
-            home.addcmul_(dc_f, gl)  # fp32 product and sum, rounded once into home
-            return None
-        return rounded(dc_f, c.dtype)
-
-    def round_de():
-        de_f, formed[0] = formed[0], None
-        return rounded(de_f, e.dtype)
-
-    de = dc = None
     h = e.shape[-1]
-    if need_dc and gif_round_dc_first(e.numel() // max(h, 1), c.shape[0], h, e, c,
-                                      home is not None):
-        dc = round_dc()
-    if need_de:
-        de = round_de()
-    if need_dc and formed[1] is not None:
-        dc = round_dc()
-    formed.clear()
+    dc_first = gif_round_dc_first(e.numel() // max(h, 1), c.shape[0], h, e, c, home is not None)
+    de, dc = round_formed(formed, gl, e, c, home, o.backend, need_de, need_dc, dc_first)
     return de, dc, db
 
 

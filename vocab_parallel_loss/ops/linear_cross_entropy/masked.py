@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..fused_linear.strategy import gif_round_dc_first
+from .formed import round_formed
 
 
 def upstream_scale(grad_loss, grad_lse, mask: torch.Tensor, valid: torch.Tensor):
@@ -83,30 +84,9 @@ def backward(formed: list, grad_loss, grad_lse, coef: torch.Tensor, e, e2, c, bi
     del de_f, dc_f  # ``formed`` alone holds them: each is released once rounded
     db = torch.where(ok, db_f * k, db_x) if need_db else None
     tp = world > 1
-
-    def round_dc():
-        acc, formed[1] = formed[1], None
-        if home is not None:
-            home.addcmul_(acc, scale)  # fp32 product and sum, rounded once into home
-            return None
-        return K.scaled_round(acc, scale, acc if c.dtype == torch.float32
-                              else torch.empty_like(acc, dtype=c.dtype))
-
-    def round_de():
-        acc, formed[0] = formed[0], None
-        if tp or e.dtype == torch.float32:  # (under TP the caller sums it, then rounds)
-            return K.scaled_round(acc, scale, acc)
-        return K.scaled_round(acc, scale, torch.empty_like(acc, dtype=e.dtype))
-
-    de = dc = None
     h = e.shape[-1]
     dc_first = tp or gif_round_dc_first(e.numel() // max(h, 1), c.shape[0], h, e, c,
                                         home is not None)
-    if need_dc and dc_first:
-        dc = round_dc()
-    if need_de:
-        de = round_de()
-    if need_dc and formed[1] is not None:
-        dc = round_dc()
-    formed.clear()
+    # under TP dE stays fp32 (scaled): the caller sums it over the group, then rounds it
+    de, dc = round_formed(formed, scale, e, c, home, K, need_de, need_dc, dc_first, de_fp32=tp)
     return de, dc, db
