@@ -23,14 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _split3(b):
-    hi = b.to(tl.bfloat16)
-    r = b - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
+from vocab_parallel_loss.kernels.linear.common import _split3, dot as package_dot
 
 
 @triton.jit
@@ -58,10 +51,7 @@ def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constex
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
         if MODE == 1:  # hidden bf16, weight fp32 split in three bf16 parts
-            hi, mid, lo = _split3(b)
-            step = tl.dot(a, lo)
-            step = tl.dot(a, mid, step)
-            acc += tl.dot(a, hi, step)
+            acc = package_dot(a, b, acc, "w3", False)
         elif MODE == 2:  # hidden bf16 widened to fp32 (exact in tf32), weight tf32x3
             acc = tl.dot(a.to(tl.float32), b, acc, input_precision="tf32x3")
         elif MODE == 3:  # weight pre-split in three bf16 tensors (B, B2, B3)
@@ -86,14 +76,7 @@ def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constex
             b2_ptrs += BK
             b3_ptrs += BK
         elif MODE == 5:  # both split in the kernel: the six products (the package's "x6")
-            a0, a1, a2 = _split3(a)
-            b0, b1, b2 = _split3(b)
-            step = tl.dot(a2, b0)
-            step = tl.dot(a1, b1, step)
-            step = tl.dot(a0, b2, step)
-            step = tl.dot(a1, b0, step)
-            step = tl.dot(a0, b1, step)
-            acc += tl.dot(a0, b0, step)
+            acc = package_dot(a, b, acc, "x6", False)
         elif MODE == 6:  # as 5, summed into the running accumulator (truncated by the MMAs)
             a0, a1, a2 = _split3(a)
             b0, b1, b2 = _split3(b)
