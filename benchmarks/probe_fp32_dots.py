@@ -3,13 +3,13 @@
 One Triton GEMM ``z = a @ b.T`` (``a`` hidden (M, K), ``b`` weight rows (N, K)) in each way of
 forming fp32-class products, against fp64, with PyTorch's fp32 matmul (TF32 off / on) beside
 it. Modes: ``bf16`` (both operands rounded to bf16, the scale), ``tf32``, ``tf32x3``,
-``bf16x3``, ``bf16x6`` (Triton's own split products), ``x6`` (both operands split in the kernel
-into three bf16 parts, six products: what the package runs for two fp32 operands), ``x6_acc``
-(the same products summed into the running accumulator, whose tensor-core sums truncate them),
-``ieee`` (CUDA cores), ``w3_pre`` / ``x6_pre`` (the split made before the GEMM: weight only /
-both operands, six products), ``w3`` (hidden in bf16, the fp32 weight split in the kernel into
-three bf16 parts: exact products when the hidden states are bf16 values, as an fp32 head's cast
-ones are). The split modes sum each K step's products into a fresh accumulator, then add it.
+``bf16x3``, ``bf16x6`` (Triton's own split products), ``h3`` (both operands scaled per row by a
+power of two and split in the kernel into two fp16 parts, three products: what the package runs
+for two fp32 operands, ``common.dot``), ``h2`` (hidden in bf16, one fp16 part, the fp32 weight in
+two: the package's fp32 head with bf16 hidden states), ``ieee`` (CUDA cores), ``w3_pre`` /
+``x6_pre`` (the split made before the GEMM into bf16 parts: weight only / both operands, six
+products), ``w_tf32x3`` (bf16 hidden widened, tf32x3). The split modes sum each K step's
+products into a fresh accumulator, then add it.
 
     python benchmarks/probe_fp32_dots.py --m 8192 --k 4096 --n 16384
 """
@@ -23,11 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from vocab_parallel_loss.kernels.linear.common import _split3, dot as package_dot
+from vocab_parallel_loss.kernels.linear.common import dot as package_dot, load_scales, unscale
+from vocab_parallel_loss.kernels.linear.scales import split_scales
 
 
 @triton.jit
-def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
+def _gemm(A, B, Z, A2, A3, B2, B3, SA, SB, M, N, K, MODE: tl.constexpr, DOT: tl.constexpr,
+          PREC: tl.constexpr, BM: tl.constexpr,
           BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
     pid = tl.program_id(0)
     npm = tl.cdiv(M, BM)
@@ -47,11 +49,13 @@ def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constex
     b2_ptrs = B2 + rn.to(tl.int64)[None, :] * K + rk[:, None]
     b3_ptrs = B3 + rn.to(tl.int64)[None, :] * K + rk[:, None]
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    sa, ra = load_scales(SA, rm, DOT)
+    sb, rb = load_scales(SB, rn, DOT)
     for k0 in range(0, K, BK):
         a = tl.load(a_ptrs)
         b = tl.load(b_ptrs)
-        if MODE == 1:  # hidden bf16, weight fp32 split in three bf16 parts
-            acc = package_dot(a, b, acc, "w3", False)
+        if MODE == 1:  # hidden bf16, weight fp32 in two fp16 parts (the package's "h2")
+            acc = package_dot(a, b, acc, DOT, False, sa, sb)
         elif MODE == 2:  # hidden bf16 widened to fp32 (exact in tf32), weight tf32x3
             acc = tl.dot(a.to(tl.float32), b, acc, input_precision="tf32x3")
         elif MODE == 3:  # weight pre-split in three bf16 tensors (B, B2, B3)
@@ -75,21 +79,13 @@ def _gemm(A, B, Z, A2, A3, B2, B3, M, N, K, MODE: tl.constexpr, PREC: tl.constex
             a3_ptrs += BK
             b2_ptrs += BK
             b3_ptrs += BK
-        elif MODE == 5:  # both split in the kernel: the six products (the package's "x6")
-            acc = package_dot(a, b, acc, "x6", False)
-        elif MODE == 6:  # as 5, summed into the running accumulator (truncated by the MMAs)
-            a0, a1, a2 = _split3(a)
-            b0, b1, b2 = _split3(b)
-            acc = tl.dot(a2, b0, acc)
-            acc = tl.dot(a1, b1, acc)
-            acc = tl.dot(a0, b2, acc)
-            acc = tl.dot(a1, b0, acc)
-            acc = tl.dot(a0, b1, acc)
-            acc = tl.dot(a0, b0, acc)
+        elif MODE == 5:  # both in two fp16 parts: three products (the package's "h3")
+            acc = package_dot(a, b, acc, DOT, False, sa, sb)
         else:
             acc = tl.dot(a, b, acc, input_precision=PREC)
         a_ptrs += BK
         b_ptrs += BK
+    acc = unscale(acc, ra, rb, DOT)
     tl.store(Z + rm.to(tl.int64)[:, None] * N + rn[None, :], acc)
 
 
@@ -101,17 +97,15 @@ def run_mode(mode, a32, b32, cfg):
     a2 = a3 = b2 = b3 = None
     if mode == "bf16":
         a, b = a32.bfloat16(), b32.bfloat16()
-    elif mode == "w3":
+    elif mode == "h2":
         a, b, kind = a32.bfloat16(), b32, 1
     elif mode == "w_tf32x3":
         a, b, kind = a32.bfloat16(), b32, 2
     elif mode == "w3_pre":
         a, kind = a32.bfloat16(), 3
         b, b2, b3 = split3(b32)
-    elif mode == "x6":
+    elif mode == "h3":
         a, b, kind = a32, b32, 5
-    elif mode == "x6_acc":
-        a, b, kind = a32, b32, 6
     elif mode == "x6_pre":
         kind = 4
         a, a2, a3 = split3(a32)
@@ -124,7 +118,9 @@ def run_mode(mode, a32, b32, cfg):
     a3 = a if a3 is None else a3
     b2 = b if b2 is None else b2
     b3 = b if b3 is None else b3
-    fn = lambda: _gemm[grid](a, b, z, a2, a3, b2, b3, M, N, K, MODE=kind, PREC=prec, BM=BM, BN=BN, BK=BK,
+    sa, sb = split_scales(a, 1), split_scales(b, 1)  # (per row of each; the modes that scale)
+    fn = lambda: _gemm[grid](a, b, z, a2, a3, b2, b3, sa, sb, M, N, K, MODE=kind,
+                             DOT={5: "h3", 1: "h2"}.get(kind, "tf32"), PREC=prec, BM=BM, BN=BN, BK=BK,
                              GROUP=8, num_warps=warps, num_stages=stages)
     return fn, z
 
@@ -156,7 +152,7 @@ def main():
     p.add_argument("--m", type=int, default=8192)
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--n", type=int, default=16384)
-    p.add_argument("--modes", default="bf16,tf32,tf32x3,bf16x3,bf16x6,x6,w3,w_tf32x3,w3_pre,x6_pre,ieee")
+    p.add_argument("--modes", default="bf16,tf32,tf32x3,bf16x3,bf16x6,h3,h2,w_tf32x3,w3_pre,x6_pre,ieee")
     p.add_argument("--hidden-bf16", action="store_true",
                    help="hidden states hold bf16 values (an fp32 head's cast)")
     args = p.parse_args()
@@ -182,11 +178,13 @@ def main():
                         tflops=flops / ms / 1e9, max_err=err))
     torch.backends.cuda.matmul.allow_tf32 = False
     cfgs = {"bf16": [(128, 256, 64, 8, 3), (128, 128, 64, 4, 4)],
-            "w3": [(128, 128, 64, 8, 3), (128, 256, 32, 8, 3), (64, 256, 32, 4, 3)],
-            "fp32": [(128, 128, 32, 8, 3), (128, 256, 32, 8, 3), (64, 128, 32, 4, 4)]}
+            "h2": [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 3),
+                   (128, 128, 32, 8, 4), (64, 256, 32, 4, 3)],
+            "fp32": [(128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 128, 64, 8, 2),
+                     (128, 128, 64, 8, 3), (64, 128, 32, 4, 4)]}
     for mode in args.modes.split(","):
         group = ("bf16" if mode in ("bf16", "w3_pre", "x6_pre") else
-                 "w3" if mode in ("w3", "w_tf32x3") else "fp32")
+                 "h2" if mode in ("h2", "w_tf32x3") else "fp32")
         best = None
         for cfg in cfgs[group]:
             try:

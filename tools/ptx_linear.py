@@ -27,7 +27,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ptxas_registers import ptxas_verbose  # tools/
 from vocab_parallel_loss.kernels.launch import PINNED
-from vocab_parallel_loss.kernels.linear import config as C, fused as F, saved as S
+from vocab_parallel_loss.kernels.linear import config as C, fused as F, gemm as G, saved as S
 
 SHOWN = ("ex2", "fma", "add", "sub", "mul", "max", "min", "selp", "setp", "cvt", "ld", "st",
          "wgmma")
@@ -84,7 +84,7 @@ def main() -> None:
     for store in (False, True):
         for logprob in (False, True):
             for bias in (False, True):
-                args = dict(E=fwd_e, C=fwd_c, BIAS=e[0], TGT=i64, STATS=f32,
+                args = dict(E=fwd_e, C=fwd_c, SE=f32, SC=f32, BIAS=e[0], TGT=i64, STATS=f32,
                             U=fwd_u if store else f32, MT=f32, INV_T=f32, N=n, V=v, H=h,
                             stride_en=h, stride_eh=1, stride_cv=h, stride_ch=1, stride_t=1,
                             stride_un=v, stride_it=1, v_offset=0, softcap=1.0, scale=1.0,
@@ -93,7 +93,8 @@ def main() -> None:
                               BLOCK_N=cfg.fwd_block_n, BLOCK_V=cfg.fwd_block_v,
                               BLOCK_H=cfg.fwd_block_h, GROUP_N=cfg.fwd_group_n,
                               DOT_PREC="tf32", UPCAST=False, DESC=True, FLAT=True, STORE=store,
-                              DESC_U=store, LOGPROB=logprob, NEED_ARGMAX=False)
+                              DESC_U=store, LOGPROB=logprob, NEED_ARGMAX=False,
+                              SAVED_FOLD=False)
                 show(f"forward {'saved' if store else 'plain'} {'logprob' if logprob else 'loss'}"
                      f"{' bias' if bias else ''}",
                      *compile_kernel(F._lce_fwd_kernel, args, consts, cfg.fwd_warps,
@@ -101,7 +102,7 @@ def main() -> None:
     bwd_e = TensorDescriptor.from_tensor(e, [cfg.bwd_block_n, cfg.bwd_block_h])
     bwd_c = TensorDescriptor.from_tensor(c, [cfg.bwd_block_v, cfg.bwd_block_h])
     for logprob in (False, True):
-        args = dict(E=bwd_e, C=bwd_c, BIAS=e[0], TGT=i64, COEF=f32, D=e, DB=f32, INV_T=f32, N=n,
+        args = dict(E=bwd_e, C=bwd_c, SE=f32, SC=f32, BIAS=e[0], TGT=i64, COEF=f32, D=e, DB=f32, INV_T=f32, N=n,
                     V=v, H=h, v_start=0, n_cols=v, stride_en=h, stride_eh=1, stride_cv=h,
                     stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1, v_offset=0,
                     softcap=1.0, scale=1.0, SKIP=f32)
@@ -111,6 +112,7 @@ def main() -> None:
                       GATED=False)
         show(f"dlogits {'logprob' if logprob else 'loss'} bias",
              *compile_kernel(F._lce_dlogits_kernel, args, consts, cfg.bwd_warps, cfg.bwd_stages))
+    fp32_head(cfg, n, h, v, f32, i64)
     for logprob in (False, True):
         args = dict(U=e, MT=f32, TGT=i64, COEF=f32, INV_T=f32, N=n, V=v, stride_un=v,
                     stride_t=1, stride_it=1, v_offset=0, softcap=1.0, scale=1.0)
@@ -118,6 +120,44 @@ def main() -> None:
                       BLOCK=cfg.row_block)
         show(f"saved dz {'logprob' if logprob else 'loss'}",
              *compile_kernel(S._saved_dz_kernel, args, consts, cfg.row_warps, 3))
+
+
+def fp32_head(cfg, n, h, v, f32, i64) -> None:
+    """An fp32 head's kernels (pointers, fp32 tiles): the log-prob forward, the dlogits kernel and
+    the Triton GEMM, for fp32 hidden states (``"h3"``) and bf16 ones (``"h2"``)."""
+    wide = cfg.for_tiles(torch.float32)
+    for mode, e_dtype in (("h3", torch.float32), ("h2", torch.bfloat16)):
+        e = torch.empty(16, 64, dtype=e_dtype)
+        args = dict(E=e, C=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, STATS=f32, U=f32, MT=f32,
+                    INV_T=f32, N=n, V=v, H=h, stride_en=h, stride_eh=1, stride_cv=h,
+                    stride_ch=1, stride_t=1, stride_un=v, stride_it=1, v_offset=0, softcap=1.0,
+                    scale=1.0, tiles_per_split=7, n_splits=3)
+        consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
+                      BLOCK_N=wide.fwd_block_n, BLOCK_V=wide.fwd_block_v, BLOCK_H=wide.fwd_block_h,
+                      GROUP_N=wide.fwd_group_n, DOT_PREC=mode, UPCAST=False, DESC=False,
+                      FLAT=False, STORE=False, DESC_U=False, LOGPROB=True, NEED_ARGMAX=False,
+                      SAVED_FOLD=False)
+        show(f"fp32 head forward logprob {mode}",
+             *compile_kernel(F._lce_fwd_kernel, args, consts, wide.fwd_warps, wide.fwd_stages))
+        args = dict(E=e, C=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, COEF=f32, D=f32, DB=f32,
+                    INV_T=f32, N=n, V=v, H=h, v_start=0, n_cols=v, stride_en=h, stride_eh=1,
+                    stride_cv=h, stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1,
+                    v_offset=0, softcap=1.0, scale=1.0, SKIP=f32)
+        consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, LOGPROB=True, EVEN_H=True,
+                      BLOCK_N=wide.bwd_block_n, BLOCK_V=wide.bwd_block_v, BLOCK_H=wide.bwd_block_h,
+                      GROUP_N=wide.bwd_group_n, DOT_PREC=mode, UPCAST=False, DESC=False,
+                      GATED=False)
+        show(f"fp32 head dlogits logprob {mode}",
+             *compile_kernel(F._lce_dlogits_kernel, args, consts, wide.bwd_warps, wide.bwd_stages))
+        # dE += dz @ C (fp32 x fp32 either way: dz is fp32 in an fp32 head)
+        args = dict(A=f32, B=f32, SA=f32, SB=f32, OUT=f32, M=n, NN=h, K=v, stride_am=v,
+                    stride_ak=1, stride_bk=h, stride_bn=1, stride_om=h, stride_on=1, SKIP=f32)
+        consts = dict(ACCUMULATE=True, EVEN_K=True, BLOCK_M=wide.mm_block_m,
+                      BLOCK_N=wide.mm_block_n, BLOCK_K=wide.wide_block_h,
+                      GROUP_M=wide.mm_group_m, DOT_PREC="h3", UPCAST=False, GATED=False)
+        if mode == "h3":
+            show("fp32 head GEMM h3", *compile_kernel(G._mm_kernel, args, consts, wide.mm_warps,
+                                                      wide.mm_stages))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """An fp32 LM head on the fused linear ops: fp32 weights with bf16, fp16 or fp32 hidden states,
-on both backends (the Triton kernels under TRITON_INTERPRET=1 at every strategy, with the
-weight split into bf16 parts where the hidden states are bf16; the chunked PyTorch one), against
+on both backends (the Triton kernels under TRITON_INTERPRET=1 at every strategy, with fp32
+operands split into fp16 parts of rows scaled by powers of two; the chunked PyTorch one), against
 the fp64 oracle of the hidden states as given. ``fp32_precision`` and the dtype rules are
 checked as arguments. The GPU tests hold the tensor-core products to the same bound."""
 
@@ -80,6 +80,52 @@ def test_logprobs_of_an_fp32_head_have_fp32_class_error(plan, hidden):
     assert grads[0].dtype == hidden and grads[1].dtype == torch.float32
     for got, want in zip(grads[1:], ref_grads[1:]):
         assert (got.double() - want).abs().max() <= ABS * want.abs().max()
+
+
+@pytest.mark.skipif("saved" not in PLANS, reason="the Triton kernels (interpreter or GPU)")
+def test_split_scales_are_powers_of_two_within_fp16_range():
+    """Each row's largest magnitude lands in [2^14, 2^15) whatever its own range (fp16 holds
+    it; without the scale 1e30 overflows fp16 and 1e-30 underflows it), zeros and non-finite
+    rows get normal scales, and the inverse is exact."""
+    from vocab_parallel_loss.kernels.linear.scales import split_scales
+
+    rows = torch.tensor([[1e30, -3.0], [-1e-30, 0.0], [0.0, 0.0], [1.0, 2.0**14],
+                         [float("inf"), 1.0], [float("nan"), 1.0], [65504.0, 1.0]])
+    sc = split_scales(rows, 1)
+    s, r = sc[:, 0].double(), sc[:, 1].double()
+    assert sc.dtype == torch.float32 and sc.shape == (7, 2)
+    assert torch.equal(s * r, torch.ones(7, dtype=torch.float64))
+    assert torch.equal(torch.frexp(s).mantissa, torch.full((7,), 0.5, dtype=torch.float64))
+    top = rows.abs().amax(1).double()[[0, 1, 3, 6]] * s[[0, 1, 3, 6]]
+    assert ((top >= 2**14) & (top < 2**15)).all(), top
+    assert torch.isfinite(sc).all() and (sc > 0).all()
+    assert torch.equal(split_scales(rows.t(), 0), sc)  # per column of the transpose
+    assert torch.equal(split_scales(torch.empty(3, 0), 1)[:, 0], torch.full((3,), 2.0**126))
+
+
+@pytest.mark.parametrize("plan,hidden", [(p, h) for p in PLANS if p != "grad_in_forward"
+                                         for h in (torch.bfloat16, torch.float32)])
+def test_an_fp32_head_far_from_fp16_range(plan, hidden):
+    """Hidden rows of 2^20 (past fp16's 65504) and weights of 2^-20 (below its normal range)
+    keep fp32-class error: the fp16 parts of the split products are taken of rows scaled by a
+    power of two each, and unscaled exactly."""
+    e, c, b, t = _inputs(hidden=torch.float32, seed=5)
+    e = (e * 2.0**20).to(hidden)
+    e[::3] *= 2.0**-24  # rows of logits near 0 beside rows of logits near 6
+    c = c * 2.0**-20
+    impl, budget = plan_call(plan, e, c)
+    leaves = [x.clone().requires_grad_() for x in (e, c, b)]
+    up = torch.rand(t.shape)
+    with plan_config(plan):
+        loss = linear_cross_entropy(*leaves[:2], t, leaves[2], reduction="none", impl=impl,
+                                    memory_budget=budget)
+        grads = torch.autograd.grad(loss, leaves, up)
+    ref, ref_grads = reference_grads(e, c, t, b, upstream=up, reduction="none")
+    assert (loss.double() - ref).abs().max() < ABS
+    for got, want in zip(grads[1:], ref_grads[1:]):
+        assert (got.double() - want).abs().max() <= ABS * want.abs().max()
+    tol = 2e-5 if hidden == torch.float32 else torch.finfo(hidden).eps
+    assert (grads[0].double() - ref_grads[0]).abs().max() <= tol * ref_grads[0].abs().max()
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"] if "saved" in PLANS else ["torch"])

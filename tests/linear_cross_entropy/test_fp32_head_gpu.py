@@ -82,3 +82,60 @@ def test_under_autocast_fp32_stays_fp32_class():
         out = linear_token_logprobs(e, c, t)
     lp, _, _ = oracle(e.double() @ c.double().t(), t)
     assert (out.log_probs.double() - lp).abs().max() < ABS
+
+
+@pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
+def test_far_from_fp16_range_and_large_logits_stay_fp32_class(hidden):
+    """Hidden states of 2^20 (past fp16's range) and weights of 2^-20 (below its normal range),
+    logits of standard deviation 6: the fp16 parts are taken of rows scaled by powers of two."""
+    e, c, t = _case(2048, 1024, 20000, torch.float32, seed=4)
+    e = (e * 2.0**20).to(hidden)
+    c = c * 3 * 2.0**-20
+    leaves = [e.clone().requires_grad_(), c.clone().requires_grad_()]
+    out = linear_token_logprobs(*leaves, t, return_entropy=True)
+    g_lp, g_ent = torch.randn_like(out.log_probs), torch.randn_like(out.entropy)
+    de, dc = logprob_grads((out.log_probs, out.entropy), leaves, g_lp, g_ent)
+    ref = [e.double().requires_grad_(), c.double().requires_grad_()]
+    lp, ent, _ = oracle(ref[0] @ ref[1].t(), t)
+    rde, rdc = logprob_grads((lp, ent), ref, g_lp.double(), g_ent.double())
+    assert (out.log_probs.double() - lp).abs().max() < ABS
+    assert (out.entropy.double() - ent).abs().max() < ABS
+    assert (dc.double() - rdc).abs().max() <= 1e-4 * rdc.abs().max()
+    tol = 1e-4 if hidden == torch.float32 else torch.finfo(hidden).eps
+    assert (de.double() - rde).abs().max() <= tol * rde.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_scales_allocate_nothing_of_the_operand_size(dtype):
+    from vocab_parallel_loss.kernels.linear.scales import split_scales
+
+    x = torch.randn(8192, 4096, device="cuda").to(dtype)
+    for view, dim in ((x, 0), (x, 1), (x.t(), 0), (x.t(), 1), (x[:, :1000], 0)):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        split_scales(view, dim)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= 2**20, (view.shape, dim)
+
+
+@pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
+def test_memory_within_a_stated_budget(hidden):
+    """Forward and backward of the log-probs hold at most the stated budget beyond the inputs
+    and the gradients returned (16 MiB slack), the split scales included."""
+    e, c, t = _case(8192, 4096, 32000, hidden, seed=5)
+    e.requires_grad_()
+    c.requires_grad_()
+    budget = 2**28
+    for _ in range(2):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = linear_token_logprobs(e, c, t, return_entropy=True, memory_budget=budget)
+        de, dc = torch.autograd.grad((out.log_probs, out.entropy),
+                                     (e, c), (torch.ones_like(out.log_probs),) * 2)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        returned = de.numel() * de.element_size() + dc.numel() * dc.element_size()
+        del de, dc, out
+    assert peak - returned <= budget + 16 * 2**20, peak / 2**30

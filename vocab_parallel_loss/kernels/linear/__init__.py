@@ -12,6 +12,8 @@ functions; the files hold one idea each:
                formed in forward for a loss mask)
 ``rounding.py`` an fp32 accumulator, scaled by the upstream gradient, rounded once into the
                output dtype (the gradients formed in forward)
+``scales.py``  the per-row powers of two that bring an fp32 head's operands into the range of
+               the fp16 parts of its split products (``common.dot``)
 ``saved.py``   the saved-tiles strategy: the forward saves the logits tiles, backward turns
                them into dlogits in place and runs two GEMMs, 6NHV; the same tiles a row
                chunk at a time give scalar losses their gradients in forward

@@ -21,13 +21,14 @@ LOWEST = tl.constexpr(-3.4028234663852886e38)
 
 
 def upcast() -> bool:
-    # Triton's interpreter (3.9) feeds bf16 operands of tl.dot to numpy as their raw uint16 bits;
-    # upcasting first is exact (16-bit x 16-bit products fit fp32), as the tensor cores compute.
+    """The ``UPCAST`` constexpr of ``dot``: under the interpreter its products run in fp64
+    (``_exact``)."""
     return settings.interpreting()
 
 
-#: The split product for two fp32 operands under ``"fp32"`` (``dot``'s ``DOT``)
-FP32_SPLIT = "x6"
+#: The modes of ``dot`` whose fp32 operands are split into fp16 parts: their kernels take
+#: per-row scales (``scales.split_scales``) and unscale the accumulator once (``unscale``)
+SCALED = ("h3", "h2")
 
 
 def dot_mode(a: torch.dtype, b: torch.dtype, precision: str = "fp32") -> str:
@@ -35,19 +36,15 @@ def dot_mode(a: torch.dtype, b: torch.dtype, precision: str = "fp32") -> str:
     ``precision`` (``checks.FP32_PRECISIONS``).
 
     Two 16-bit operands: one tensor-core product (the string is not read). An fp32 operand
-    under ``"tf32"``: TF32 products. Under ``"fp32"``: a bf16 operand and an fp32 one take
-    ``"w3"`` (the fp32 one split into three bf16 parts, hi + mid + lo, which hold its 24-bit
-    significand: three bf16 products, each exact in the fp32 accumulator); otherwise both
-    operands widened to fp32 and multiplied in ``FP32_SPLIT``.
+    under ``"tf32"``: TF32 products. Under ``"fp32"``, each operand is scaled by a power of two
+    per row (``scales.split_scales``) and an fp32 one split into two fp16 parts, ``hi + lo``,
+    which hold 22 of its 24 significand bits: two fp32 operands take ``"h3"`` (three fp16 products,
+    the fourth, ``lo lo``, under 2^-22 of ``|a||b|``), a 16-bit and an fp32 one ``"h2"`` (the
+    16-bit one is one fp16 part: two products).
     """
-    wide = torch.float32 in (a, b)
-    if not wide:
+    if torch.float32 not in (a, b) or precision == "tf32":
         return "tf32"
-    if precision == "tf32":
-        return "tf32"
-    if {a, b} == {torch.bfloat16, torch.float32}:
-        return "w3"
-    return FP32_SPLIT
+    return "h3" if a == b else "h2"
 
 
 def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
@@ -58,59 +55,84 @@ def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 
 
 @triton.jit
-def _split3(x):
-    """fp32 ``x`` as three bf16 parts ``hi + mid + lo``: 24 significand bits, x's own."""
-    hi = x.to(tl.bfloat16)
-    r = x - hi.to(tl.float32)
-    mid = r.to(tl.bfloat16)
-    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-    return hi, mid, lo
+def load_scales(S, idx, DOT: tl.constexpr):
+    """The scales of rows ``idx`` (``scales.split_scales``' ``(L, 2)``): ``2^k`` and ``2^-k``; ones
+    for the modes that do not scale."""
+    if DOT == "h3" or DOT == "h2":
+        s = tl.load(S + idx.to(tl.int64) * 2)
+        r = tl.load(S + idx.to(tl.int64) * 2 + 1)
+    else:
+        s = tl.full(idx.shape, 1.0, tl.float32)
+        r = s
+    return s, r
 
 
 @triton.jit
-def _part(x, UPCAST: tl.constexpr):
-    if UPCAST:  # interpreter only: its bf16 dot multiplies the raw uint16 bits
-        return x.to(tl.float32)
-    return x
+def unscale(acc, ra, rb, DOT: tl.constexpr):
+    """The accumulator of scaled operands' products back to the operands' own scale (exact:
+    powers of two)."""
+    if DOT == "h3" or DOT == "h2":
+        acc = acc * ra[:, None] * rb[None, :]
+    return acc
 
 
 @triton.jit
-def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``). In ``"w3"`` the fp32
-    operand is split (``_split3``), in ``"x6"`` both are (leaving out the products of parts
-    i + j > 2, each under 2^-26 of |a||b|). The split products go into a fresh accumulator,
-    smallest first, added to ``acc`` in fp32: the tensor cores truncate each sum they form to the
-    largest term's precision, so summing into ``acc`` itself would drop part of every small
-    product and bias the result by one unit of ``acc`` per product (1e-4 relative at H = 4096)."""
-    if DOT == "x6":
-        a0, a1, a2 = _split3(a.to(tl.float32))
-        b0, b1, b2 = _split3(b.to(tl.float32))
-        a0, a1, a2 = _part(a0, UPCAST), _part(a1, UPCAST), _part(a2, UPCAST)
-        b0, b1, b2 = _part(b0, UPCAST), _part(b1, UPCAST), _part(b2, UPCAST)
-        step = tl.dot(a2, b0)
-        step = tl.dot(a1, b1, step)
-        step = tl.dot(a0, b2, step)
-        step = tl.dot(a1, b0, step)
-        step = tl.dot(a0, b1, step)
-        acc += tl.dot(a0, b0, step)
-    elif DOT == "w3":
-        if a.dtype == tl.float32:
-            hi, mid, lo = _split3(a)
-            b = _part(b, UPCAST)
-            step = tl.dot(_part(lo, UPCAST), b)
-            step = tl.dot(_part(mid, UPCAST), b, step)
-            acc += tl.dot(_part(hi, UPCAST), b, step)
+def _fp16_parts(x):
+    """scaled fp32 ``x`` as two fp16 parts ``hi + lo`` (11 + 11 significand bits)."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
+
+
+@triton.jit
+def _exact(a, b):
+    """``a @ b`` in fp64, for the interpreter: exact for 16-bit parts (nearly for fp32 ones),
+    where numpy's fp32 matmul rounds its sums in an order that depends on a row's place in the
+    tile (a row's result would depend on the rows around it), and its 16-bit matmul multiplies
+    the raw bits."""
+    return tl.dot(a.to(tl.float64), b.to(tl.float64))
+
+
+@triton.jit
+def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
+    """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``); ``sa`` per row of ``a`` and
+    ``sb`` per column of ``b`` are the split scales (``load_scales``), and an ``"h3"`` / ``"h2"``
+    accumulator is of the scaled operands (``unscale`` it once after the last step). Each K
+    step's split products go into a fresh accumulator, smallest first, added to ``acc`` in
+    fp32: the tensor cores truncate each sum they form to the largest term's precision, so
+    summing into ``acc`` itself would drop part of every small product and bias the result by
+    one unit of ``acc`` per product (1e-4 relative at H = 4096)."""
+    if DOT == "h3":
+        a_hi, a_lo = _fp16_parts(a.to(tl.float32) * sa[:, None])
+        b_hi, b_lo = _fp16_parts(b.to(tl.float32) * sb[None, :])
+        if UPCAST:
+            acc += (_exact(a_lo, b_hi) + _exact(a_hi, b_lo) + _exact(a_hi, b_hi)).to(tl.float32)
         else:
-            hi, mid, lo = _split3(b)
-            a = _part(a, UPCAST)
-            step = tl.dot(a, _part(lo, UPCAST))
-            step = tl.dot(a, _part(mid, UPCAST), step)
-            acc += tl.dot(a, _part(hi, UPCAST), step)
+            step = tl.dot(a_lo, b_hi)
+            step = tl.dot(a_hi, b_lo, step)
+            acc += tl.dot(a_hi, b_hi, step)
+    elif DOT == "h2":
+        if a.dtype == tl.float32:
+            hi, lo = _fp16_parts(a * sa[:, None])
+            b = (b.to(tl.float32) * sb[None, :]).to(tl.float16)
+            if UPCAST:
+                acc += (_exact(lo, b) + _exact(hi, b)).to(tl.float32)
+            else:
+                acc += tl.dot(hi, b, tl.dot(lo, b))
+        else:
+            hi, lo = _fp16_parts(b * sb[None, :])
+            a = (a.to(tl.float32) * sa[:, None]).to(tl.float16)
+            if UPCAST:
+                acc += (_exact(a, lo) + _exact(a, hi)).to(tl.float32)
+            else:
+                acc += tl.dot(a, hi, tl.dot(a, lo))
+    elif UPCAST:
+        acc += _exact(a, b).to(tl.float32)
     else:
         if a.dtype != b.dtype:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(_part(a, UPCAST), _part(b, UPCAST), acc, input_precision=DOT)
+        acc = tl.dot(a, b, acc, input_precision=DOT)
     return acc
 
 

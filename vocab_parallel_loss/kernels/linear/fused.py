@@ -53,9 +53,10 @@ from ... import settings
 from ...formulas import merge_logprob_stats, merge_partial_stats
 from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
 from .common import (LOG_UNDERFLOW, LOWEST, LogprobArgs, check_tiles, compute_dtype, dot,
-                     dot_mode, tanh, upcast)
+                     SCALED, dot_mode, load_scales, tanh, unscale, upcast)
 from .config import LCEConfig, default_config
 from .gemm import gemm_acc, gemm_store
+from .scales import split_scales
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -77,15 +78,17 @@ def _grouped_tile(pid, num_rb, n_inner, GROUP_N: tl.constexpr):
 @triton.jit
 def _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """``acc += E[row0:, h0:] @ C[col0:, h0:].T`` for one H step, through TMA descriptors."""
-    return dot(E.load([row0, h0]), tl.trans(C.load([col0, h0])), acc, DOT_PREC, UPCAST)
+    # (16-bit operands only: no split scales)
+    return dot(E.load([row0, h0]), tl.trans(C.load([col0, h0])), acc, DOT_PREC, UPCAST, 1.0, 1.0)
 
 
 @triton.jit
-def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, stride_cv,
-                 stride_ch, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-                 BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                 DESC: tl.constexpr):
+def _logits_tile(E, C, SE, SC, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh,
+                 stride_cv, stride_ch, EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, DOT_PREC: tl.constexpr,
+                 UPCAST: tl.constexpr, DESC: tl.constexpr):
     """fp32 ``E[rows] @ C[cols].T``; ``rows_ld`` / ``cols_ld`` are in range (callers wrap them).
+    ``SE`` / ``SC``: the rows' split scales (``scales.split_scales``) in the modes that scale.
 
     With ``DESC`` E and C are TMA tensor descriptors of ``[BLOCK_N | BLOCK_V, BLOCK_H]`` blocks
     and the tile starts at ``(row0, col0)``: the copy engine fills rows, columns and H past the
@@ -96,6 +99,8 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
         for h0 in range(0, H, BLOCK_H):
             acc = _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC, UPCAST)
     else:  # (an else, not an early return: Triton compiles what follows a return in a branch)
+        se, re = load_scales(SE, rows_ld, DOT_PREC)
+        sc, rc = load_scales(SC, cols_ld, DOT_PREC)
         offs_h = tl.arange(0, BLOCK_H)
         e_ptrs = (E + rows_ld.to(tl.int64)[:, None] * stride_en
                   + offs_h[None, :].to(tl.int64) * stride_eh)
@@ -109,9 +114,10 @@ def _logits_tile(E, C, rows_ld, cols_ld, row0, col0, H, stride_en, stride_eh, st
                 hm = (h0 + offs_h) < H
                 a = tl.load(e_ptrs, mask=hm[None, :], other=0.0)
                 b = tl.load(c_ptrs, mask=hm[:, None], other=0.0)
-            acc = dot(a, b, acc, DOT_PREC, UPCAST)
+            acc = dot(a, b, acc, DOT_PREC, UPCAST, se, sc)
             e_ptrs += BLOCK_H * stride_eh
             c_ptrs += BLOCK_H * stride_ch
+        acc = unscale(acc, re, rc, DOT_PREC)
     return acc
 
 
@@ -256,7 +262,7 @@ def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, b
 
 @triton.jit
 def _lce_fwd_kernel(
-    E, C, BIAS, TGT, STATS, U, MT, INV_T,
+    E, C, SE, SC, BIAS, TGT, STATS, U, MT, INV_T,
     N, V, H,
     stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un, stride_it,
     v_offset, softcap, scale, tiles_per_split, n_splits,
@@ -313,7 +319,7 @@ def _lce_fwd_kernel(
         for vt in range(t_begin, t_end):
             cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
             cols_ld = tl.where(cols < V, cols, 0)
-            x = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
+            x = _logits_tile(E, C, SE, SC, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
                              stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
                              DOT_PREC, UPCAST, DESC)
             m, s, tg, sx, best_col = _fold(
@@ -400,7 +406,7 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n
 
 @triton.jit
 def _lce_dlogits_kernel(
-    E, C, BIAS, TGT, COEF, D, DB, INV_T,
+    E, C, SE, SC, BIAS, TGT, COEF, D, DB, INV_T,
     N, V, H, v_start, n_cols,
     stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db, stride_it,
     v_offset, softcap, scale,
@@ -423,7 +429,7 @@ def _lce_dlogits_kernel(
     rows_ld = tl.where(rows < N, rows, 0)
     ccols = cb * BLOCK_V + tl.arange(0, BLOCK_V)
     cols_ld = tl.where(ccols < n_cols, v_start + ccols, 0)
-    z = _logits_tile(E, C, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
+    z = _logits_tile(E, C, SE, SC, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
                      stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
                      BLOCK_H, DOT_PREC, UPCAST, DESC)
     _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
@@ -577,8 +583,10 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if saved is not None:  # with descriptors for E and C, the tiles are saved through one too
         ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc else saved.u
     inv_t, stride_it, scale = _row_scale(logprob, part)
+    mode = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
+    se, sc = _split_scales(e, c, mode, part)
     _lce_fwd_kernel[grid](
-        ea, ca, bias if bias is not None else e, targets, part,
+        ea, ca, se, sc, bias if bias is not None else e, targets, part,
         ua, saved.tile_max if saved is not None else part, inv_t,
         N, V, H,
         e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
@@ -587,8 +595,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
         NEED_SUMX=need_sumx and logprob is None,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
-        DOT_PREC=dot_mode(e.dtype, c.dtype, cfg.fp32_precision), UPCAST=upcast(), DESC=desc,
-        FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
+        DOT_PREC=mode, UPCAST=upcast(), DESC=desc, FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
         LOGPROB=logprob is not None, NEED_ARGMAX=logprob is not None and logprob.need_argmax,
         num_warps=cfg.fwd_warps,
         num_stages=cfg.fwd_stages, **PINNED, **({"SAVED_FOLD": True} if invariant else {}),
@@ -598,6 +605,14 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if logprob is not None:
         return torch.stack(merge_logprob_stats(part, ordered=invariant))
     return torch.stack(merge_partial_stats(part, ordered=invariant))
+
+
+def _split_scales(e: torch.Tensor, c: torch.Tensor, mode: str, dummy: torch.Tensor):
+    """The kernels' ``SE, SC`` arguments: the rows' split scales (``scales.split_scales``) where
+    ``mode`` scales its operands, else placeholders."""
+    if mode in SCALED:
+        return split_scales(e, 1), split_scales(c, 1)
+    return dummy, dummy
 
 
 def _row_scale(logprob: Optional[LogprobArgs], dummy: torch.Tensor):
@@ -668,12 +683,13 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
     desc = cfg.bwd_desc and _descriptors_ok(e, c)
     ea, ca = _operands(e, c, BN, BV, BH, desc)
     inv_t, stride_it, scale = _row_scale(logprob, coef)
+    se, sc = _split_scales(e, c, dot_prec, coef)
     for v0 in range(0, V, vc):
         nc = min(vc, V - v0)
         tiles = num_rb * triton.cdiv(nc, BV)
         grid = (tiles,)
         _lce_dlogits_kernel[grid](
-            ea, ca, bias if bias is not None else e, targets, coef, d,
+            ea, ca, se, sc, bias if bias is not None else e, targets, coef, d,
             db_part if db_part is not None else coef, inv_t,
             N, V, H, v0, nc,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,

@@ -19,13 +19,15 @@ import triton
 import triton.language as tl
 
 from ..launch import PINNED  # compile options every launch pins (FMA contraction)
-from .common import check_tiles, dot, dot_mode, upcast
+from .common import (SCALED, check_tiles, dot, dot_mode, load_scales, unscale,
+                     upcast)
 from .config import LCEConfig
+from .scales import split_scales
 
 
 @triton.jit
 def _mm_kernel(
-    A, B, OUT, M, NN, K,
+    A, B, SA, SB, OUT, M, NN, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
     ACCUMULATE: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -33,6 +35,7 @@ def _mm_kernel(
     SKIP, GATED: tl.constexpr,
 ):
     """``OUT (+)= A @ B`` with an fp32 accumulator; ``A (M, K)``, ``B (K, NN)``, any strides.
+    ``SA`` / ``SB``: the split scales of A's rows and B's columns in the modes that scale.
     With ``GATED`` every program returns at once when ``SKIP[0]`` is nonzero."""
     if GATED:
         if tl.load(SKIP) != 0:
@@ -56,6 +59,8 @@ def _mm_kernel(
     # wrapped offsets would hide that contiguity from the vectorizer (no cp.async pipelining).
     a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :].to(tl.int64) * stride_ak
     b_ptrs = B + offs_k[:, None].to(tl.int64) * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
+    sa, ra = load_scales(SA, tl.where(m_ok, offs_m, 0), DOT_PREC)
+    sb, rb = load_scales(SB, tl.where(n_ok, offs_n, 0), DOT_PREC)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         if EVEN_K:
@@ -65,9 +70,10 @@ def _mm_kernel(
             km = (k0 + offs_k) < K
             a = tl.load(a_ptrs, mask=m_ok[:, None] & km[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=km[:, None] & n_ok[None, :], other=0.0)
-        acc = dot(a, b, acc, DOT_PREC, UPCAST)
+        acc = dot(a, b, acc, DOT_PREC, UPCAST, sa, sb)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    acc = unscale(acc, ra, rb, DOT_PREC)
     mask = m_ok[:, None] & n_ok[None, :]
     o_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_om + offs_n.to(tl.int64)[None, :] * stride_on
     if ACCUMULATE:
@@ -94,11 +100,13 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
         BK = min(BK, cfg.wide_block_h)
     check_tiles(BM, BN, BK)
     grid = (triton.cdiv(M, BM) * triton.cdiv(NN, BN),)
+    mode = dot_mode(a.dtype, b.dtype, cfg.fp32_precision)
+    sa, sb = ((split_scales(a, 1), split_scales(b, 0)) if mode in SCALED else (out, out))
     _mm_kernel[grid](
-        a, b, out, M, NN, K,
+        a, b, sa, sb, out, M, NN, K,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
         ACCUMULATE=accumulate, EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
-        GROUP_M=cfg.mm_group_m, DOT_PREC=dot_mode(a.dtype, b.dtype, cfg.fp32_precision),
+        GROUP_M=cfg.mm_group_m, DOT_PREC=mode,
         UPCAST=upcast(), SKIP=out if skip is None else skip, GATED=skip is not None,
         num_warps=cfg.mm_warps, num_stages=cfg.mm_stages, **PINNED,
     )
