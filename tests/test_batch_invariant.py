@@ -46,7 +46,7 @@ def test_a_block_gets_the_same_bits_in_any_batch(op, dtype, impl, tiles):
 
 @pytest.mark.parametrize("op", ["linear_token_logprobs", "linear_cross_entropy"])
 def test_an_fp32_head_gets_the_same_bits_in_any_batch(op, impl):
-    """An fp32 head (fp32 weight, bf16 hidden states: the weight split into bf16 parts in the
+    """An fp32 head (fp32 weight, bf16 hidden states: the weight split into fp16 parts in the
     kernels) is batch-invariant too, at every strategy (its tiles are fp32)."""
     c, b = weights(H, V, torch.float32, "cpu")
     block = block_case(BLOCK, H, V, torch.bfloat16, "cpu")

@@ -70,7 +70,7 @@ class LCEConfig:
     fwd_desc: bool = False
     bwd_desc: bool = False
     fwd_flat: bool = False
-    wide_block_h: int = 32  # fp32 tiles (``for_tiles``): the H step, and the Triton GEMM's K step
+    wide_block_h: int = 64  # fp32 tiles (``for_tiles``): the H step, and the Triton GEMM's K step
     wide_block_v: int = 128  # fp32 tiles: the vocabulary tile (split products spill at 256 columns)
     fp32_precision: str = "fp32"  # the products of fp32 operands (``common.dot_mode``): the
     # call's option, set on its config by ``default_config``
