@@ -319,9 +319,9 @@ def _lce_fwd_kernel(
         for vt in range(t_begin, t_end):
             cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
             cols_ld = tl.where(cols < V, cols, 0)
-            x = _logits_tile(E, C, SE, SC, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H, stride_en,
-                             stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V, BLOCK_H,
-                             DOT_PREC, UPCAST, DESC)
+            x = _logits_tile(E, C, SE, SC, rows_ld, cols_ld, rb * BLOCK_N, vt * BLOCK_V, H,
+                             stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
+                             BLOCK_H, DOT_PREC, UPCAST, DESC)
             m, s, tg, sx, best_col = _fold(
                 x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col,
                 U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB, NEED_ARGMAX, STORE,
@@ -595,7 +595,8 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
         NEED_SUMX=need_sumx and logprob is None,
         EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
-        DOT_PREC=mode, UPCAST=upcast(), DESC=desc, FLAT=desc and cfg.fwd_flat, STORE=saved is not None, DESC_U=desc and saved is not None,
+        DOT_PREC=mode, UPCAST=upcast(), DESC=desc, FLAT=desc and cfg.fwd_flat,
+        STORE=saved is not None, DESC_U=desc and saved is not None,
         LOGPROB=logprob is not None, NEED_ARGMAX=logprob is not None and logprob.need_argmax,
         num_warps=cfg.fwd_warps,
         num_stages=cfg.fwd_stages, **PINNED, **({"SAVED_FOLD": True} if invariant else {}),
