@@ -139,3 +139,18 @@ def test_memory_within_a_stated_budget(hidden):
         returned = de.numel() * de.element_size() + dc.numel() * dc.element_size()
         del de, dc, out
     assert peak - returned <= budget + 16 * 2**20, peak / 2**30
+
+
+@pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_every_precision_runs_forward_and_backward(hidden, precision):
+    """Both precisions through the gradient GEMMs too (fp32 tiles: their stages fit in shared
+    memory), every strategy."""
+    e, c, t = _case(2048, 1024, 20000, hidden, seed=6)
+    for budget in _budgets(e, c).values():
+        leaves = [e.clone().requires_grad_(), c.clone().requires_grad_()]
+        out = linear_token_logprobs(*leaves, t, return_entropy=True, memory_budget=budget,
+                                    fp32_precision=precision)
+        de, dc = torch.autograd.grad((out.log_probs, out.entropy), leaves,
+                                     (torch.ones_like(out.log_probs),) * 2)
+        assert torch.isfinite(de).all() and torch.isfinite(dc).all()

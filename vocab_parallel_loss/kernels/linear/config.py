@@ -72,6 +72,8 @@ class LCEConfig:
     fwd_flat: bool = False
     wide_block_h: int = 64  # fp32 tiles (``for_tiles``): the H step, and the Triton GEMM's K step
     wide_block_v: int = 128  # fp32 tiles: the vocabulary tile (split products spill at 256 columns)
+    wide_mm_stages: int = 3  # fp32 tiles: the Triton GEMM's stages (four of 128 x 64 fp32 tiles of
+    # both operands, 256 KB, exceed the H100's and H200's 227 KB of shared memory)
     fp32_precision: str = "fp32"  # the products of fp32 operands (``common.dot_mode``): the
     # call's option, set on its config by ``default_config``
 
@@ -81,8 +83,9 @@ class LCEConfig:
     def for_tiles(self, dtype: torch.dtype) -> "LCEConfig":
         """The config for logits tiles of ``dtype`` (``common.compute_dtype``): fp32 ones (an
         fp32 head) take H steps of ``wide_block_h`` and vocabulary tiles of at most
-        ``wide_block_v`` columns, so that the pipeline's fp32 operand tiles fit in shared memory
-        and the split products' accumulator fits in registers."""
+        ``wide_block_v`` columns (and the Triton GEMM, ``gemm._mm``, at most ``wide_mm_stages``
+        stages over fp32 operands), so that the pipeline's fp32 operand tiles fit in shared
+        memory and the split products' accumulator fits in registers."""
         if dtype != torch.float32:
             return self
         return self.replace(

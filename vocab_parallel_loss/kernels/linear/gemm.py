@@ -96,8 +96,10 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
                                                                   device=out.device)))
         return
     BM, BN, BK = cfg.mm_block_m, cfg.mm_block_n, cfg.mm_block_k
+    stages = cfg.mm_stages
     if a.element_size() == 4 or b.element_size() == 4:  # fp32 tiles: fit the stages in smem
         BK = min(BK, cfg.wide_block_h)
+        stages = min(stages, cfg.wide_mm_stages)
     check_tiles(BM, BN, BK)
     grid = (triton.cdiv(M, BM) * triton.cdiv(NN, BN),)
     mode = dot_mode(a.dtype, b.dtype, cfg.fp32_precision)
@@ -108,7 +110,7 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, accumulate: bool,
         ACCUMULATE=accumulate, EVEN_K=K % BK == 0, BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK,
         GROUP_M=cfg.mm_group_m, DOT_PREC=mode,
         UPCAST=upcast(), SKIP=out if skip is None else skip, GATED=skip is not None,
-        num_warps=cfg.mm_warps, num_stages=cfg.mm_stages, **PINNED,
+        num_warps=cfg.mm_warps, num_stages=stages, **PINNED,
     )
 
 
