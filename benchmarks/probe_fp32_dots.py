@@ -119,9 +119,10 @@ def run_mode(mode, a32, b32, cfg):
     b2 = b if b2 is None else b2
     b3 = b if b3 is None else b3
     sa, sb = split_scales(a, 1), split_scales(b, 1)  # (per row of each; the modes that scale)
-    fn = lambda: _gemm[grid](a, b, z, a2, a3, b2, b3, sa, sb, M, N, K, MODE=kind,
-                             DOT={5: "h3", 1: "h2"}.get(kind, "tf32"), PREC=prec, BM=BM, BN=BN, BK=BK,
-                             GROUP=8, num_warps=warps, num_stages=stages)
+    dot = {5: "h3", 1: "h2"}.get(kind, "tf32")
+    fn = lambda: _gemm[grid](a, b, z, a2, a3, b2, b3, sa, sb, M, N, K, MODE=kind, DOT=dot,
+                             PREC=prec, BM=BM, BN=BN, BK=BK, GROUP=8, num_warps=warps,
+                             num_stages=stages)
     return fn, z
 
 
