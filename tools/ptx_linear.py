@@ -103,8 +103,8 @@ def main() -> None:
     bwd_c = TensorDescriptor.from_tensor(c, [cfg.bwd_block_v, cfg.bwd_block_h])
     for logprob in (False, True):
         args = dict(E=bwd_e, C=bwd_c, SE=f32, SC=f32, BIAS=e[0], TGT=i64, COEF=f32, D=e, DB=f32,
-                    INV_T=f32, N=n, V=v, H=h, v_start=0, n_cols=v, stride_en=h, stride_eh=1, stride_cv=h,
-                    stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1, v_offset=0,
+                    INV_T=f32, N=n, V=v, H=h, v_start=0, n_cols=v, stride_en=h, stride_eh=1,
+                    stride_cv=h, stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1, v_offset=0,
                     softcap=1.0, scale=1.0, SKIP=f32)
         consts = dict(HAS_BIAS=True, HAS_SOFTCAP=False, LOGPROB=logprob, EVEN_H=True,
                       BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_H=cfg.bwd_block_h,
