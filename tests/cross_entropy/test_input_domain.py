@@ -221,8 +221,9 @@ def test_large_common_offset_gradient_keeps_fp32_precision(impl, vocab, rows, re
     # rows. From exact x - max and the unrounded log-sum it is a few fp32 roundings, 1e-7
     # relative as PyTorch's; 2e-5 lies between (atol: where smoothing's a / V cancels p)
     tol = dict(rtol=2e-5, atol=1e-8)
-    if not z_loss:  # the bound is fair to PyTorch (whose logsumexp backward has the defect)
-        torch.testing.assert_close(torch_fp32.double(), want, **tol)
+    if not z_loss:  # the bound is of PyTorch's order (its logsumexp backward has the defect);
+        # PyTorch's CPU fp32 reaches 2.1e-5 where smoothing cancels p, on some CPUs' kernels
+        torch.testing.assert_close(torch_fp32.double(), want, rtol=5e-5, atol=1e-8)
     torch.testing.assert_close(got.double(), want, **tol)
 
 
