@@ -101,6 +101,13 @@ def test_split_scales_are_powers_of_two_within_fp16_range():
     assert torch.isfinite(sc).all() and (sc > 0).all()
     assert torch.equal(split_scales(rows.t(), 0), sc)  # per column of the transpose
     assert torch.equal(split_scales(torch.empty(3, 0), 1)[:, 0], torch.full((3,), 2.0**126))
+    # the Triton kernel (the GPU's) gives the same scales, NaN rows aside
+    for kernel in (True, False):
+        got = split_scales(rows.t(), 0, kernel=kernel)
+        assert torch.isfinite(got).all() and torch.equal(got[[0, 1, 2, 3, 4, 6]],
+                                                         sc[[0, 1, 2, 3, 4, 6]]), kernel
+    assert torch.equal(split_scales(torch.empty(3, 0), 1, kernel=True)[:, 0],
+                       torch.full((3,), 2.0**126))
 
 
 @pytest.mark.parametrize("plan,hidden", [(p, h) for p in PLANS if p != "grad_in_forward"

@@ -12,6 +12,8 @@ dimension other than the innermost allocate a buffer of the operand's size on CU
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -45,14 +47,24 @@ def _split_scales_kernel(X, OUT, L, K, stride_l, stride_k, TOP: tl.constexpr,
     tl.store(out + 1, ((127 - k) << 23).to(tl.float32, bitcast=True), mask=row_ok)
 
 
-def split_scales(x: torch.Tensor, dim: int) -> torch.Tensor:
+def split_scales(x: torch.Tensor, dim: int, kernel: Optional[bool] = None) -> torch.Tensor:
     """``(L, 2)`` fp32 for 2-D ``x``: per row along ``dim`` (each slice of ``x`` reduced over
     ``dim``; ``L`` the other dimension's size), ``2^k`` and ``2^-k`` (the module docstring).
-    A row of zeros, of inf or of NaN gets a normal scale and keeps its values' own result."""
+    A row of zeros, of inf or of NaN gets a normal scale and keeps its values' own result.
+
+    ``kernel``: the Triton kernel (the default on CUDA) or PyTorch's reductions (the default on
+    the CPU, where they allocate nothing of ``x``'s size and the interpreter would run the
+    kernel a program at a time); the same scales either way."""
     if x.dim() != 2 or dim not in (0, 1):
         raise ValueError(f"split_scales takes a 2-D tensor and dim 0 or 1, got {tuple(x.shape)} "
                          f"and {dim}")
     L, K = x.shape[1 - dim], x.shape[dim]
+    if not (x.is_cuda if kernel is None else kernel):
+        amax = (torch.zeros(L, device=x.device) if K == 0 else
+                torch.linalg.vector_norm(x, float("inf"), dim=dim).float())
+        biased = (amax.view(torch.int32) >> 23) & 0xFF
+        k = (_TOP + 127 - biased).clamp_(-126, 126)
+        return torch.stack(((k + 127) << 23, (127 - k) << 23), dim=1).view(torch.float32)
     out = torch.empty((L, 2), dtype=torch.float32, device=x.device)
     if L:
         _split_scales_kernel[(triton.cdiv(L, _BLOCK_L),)](
