@@ -110,6 +110,67 @@ def test_split_scales_are_powers_of_two_within_fp16_range():
                        torch.full((3,), 2.0**126))
 
 
+@pytest.mark.skipif("saved" not in PLANS, reason="the Triton kernels (interpreter or GPU)")
+def test_fp16_parts_in_memory_are_the_register_splits():
+    """The parts split in memory are the bits the kernels split in registers: ``hi`` the scaled
+    value rounded to fp16, ``lo`` its remainder, ``hi + lo`` within 2^-22 of the scaled value;
+    the Triton kernel (the GPU's) and PyTorch's ops agree bit for bit, along any strides."""
+    from vocab_parallel_loss.kernels.linear.parts import fp16_parts
+    from vocab_parallel_loss.kernels.linear.scales import split_scales
+
+    x = torch.randn(13, 37, generator=torch.Generator().manual_seed(3)) * 1e3
+    x[2] *= 2.0**-40
+    x[5] = 0.0
+    s = split_scales(x, 1)
+    hi, lo = fp16_parts(x, s, True)
+    assert hi.shape == lo.shape == x.shape and hi.dtype == lo.dtype == torch.float16
+    assert hi.stride(0) % 8 == 0  # a descriptor's 16-byte row stride
+    xs = x.double() * s[:, :1].double()
+    assert torch.equal(hi.double(), xs.to(torch.float16).double())
+    assert ((hi.double() + lo.double() - xs).abs() <= 2.0**-22 * xs.abs().amax(1, True)).all()
+    for src in (x, x.t().contiguous().t()):
+        for kernel in (True, False):
+            h2, l2 = fp16_parts(src, s, True, kernel=kernel)
+            assert torch.equal(h2, hi) and torch.equal(l2, lo), kernel
+    b = x.to(torch.bfloat16)
+    bh, none = fp16_parts(b, split_scales(b, 1), False, kernel=True)
+    assert none is None
+    assert torch.equal(bh.double(), b.double() * split_scales(b, 1)[:, :1].double())  # exact
+
+
+@pytest.mark.skipif("saved" not in PLANS, reason="the Triton kernels (interpreter or GPU)")
+@pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fp32_weight", [True, False])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_forward_from_parts_in_memory_matches_splits_in_registers(hidden, fp32_weight,
+                                                                  invariant):
+    """The forward that reads fp16 parts split in memory, in several launches of whole splits
+    (``fwd_parts_bytes``), gives the statistics of the forward that splits each tile in
+    registers, bit for bit, with the loss's and the log-prob's statistics and saved tiles."""
+    from vocab_parallel_loss.kernels.linear import config as lcfg, fused
+    from vocab_parallel_loss.kernels.linear.saved import saved_tiles
+    from vocab_parallel_loss.formulas import LogprobArgs
+
+    e, c, b, t = _inputs(n=37, h=40, v=201, hidden=hidden, seed=7)
+    c = c if fp32_weight else c.to(torch.bfloat16)
+    if not fp32_weight:
+        e = e.float()
+    cfg = lcfg.INTERPRET_CONFIG.for_tiles(torch.float32)
+    lp = LogprobArgs(inv_t=torch.full((1,), 1 / 0.7), scale=1.0, need_argmax=True)
+    outs = {}
+    for on in (True, False):
+        run = cfg.replace(fwd_parts=on, split=0 if invariant else 3)
+        assert fused._parts_ok(e, fused.dot_mode(e.dtype, c.dtype), run) == on
+        sv = saved_tiles(e.shape[0], c.shape[0], torch.float32, e.device, run)
+        outs[on] = (fused.forward_stats(e, c, b, t, 5, None, True, run, saved=sv,
+                                        invariant=invariant),
+                    fused.forward_stats(e, c, b, t, 5, None, True, run, logprob=lp,
+                                        invariant=invariant),
+                    sv.u, sv.tile_max)
+    for got, want in zip(outs[True], outs[False]):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("plan,hidden", [(p, h) for p in PLANS if p != "grad_in_forward"
                                          for h in (torch.bfloat16, torch.float32)])
 def test_an_fp32_head_far_from_fp16_range(plan, hidden):

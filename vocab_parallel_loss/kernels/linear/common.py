@@ -136,6 +136,33 @@ def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
     return acc
 
 
+@triton.jit
+def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
+              UPCAST: tl.constexpr):
+    """``dot``'s ``"h3"`` / ``"h2"`` step from parts split in memory (``parts.py``): ``e`` and
+    ``c`` the fp16 ``hi`` parts (or the one fp16 part of a 16-bit operand), ``e_lo`` / ``c_lo``
+    the ``lo`` parts where ``LO_E`` / ``LO_C``; the products, their order and the fresh step
+    accumulator of ``dot``, so the sums are the same bits as its own."""
+    if LO_E and LO_C:
+        if UPCAST:
+            acc += (_exact(e_lo, c) + _exact(e, c_lo) + _exact(e, c)).to(tl.float32)
+        else:
+            step = tl.dot(e_lo, c)
+            step = tl.dot(e, c_lo, step)
+            acc += tl.dot(e, c, step)
+    elif LO_E:
+        if UPCAST:
+            acc += (_exact(e_lo, c) + _exact(e, c)).to(tl.float32)
+        else:
+            acc += tl.dot(e, c, tl.dot(e_lo, c))
+    else:
+        if UPCAST:
+            acc += (_exact(e, c_lo) + _exact(e, c)).to(tl.float32)
+        else:
+            acc += tl.dot(e, c, tl.dot(e, c_lo))
+    return acc
+
+
 def check_tiles(*blocks: int) -> None:
     for b in blocks:
         if b < 16 or b & (b - 1):

@@ -40,6 +40,11 @@ class LCEConfig:
     rows; the copy engine's zero fill replaces the masks). ``fwd_flat`` (with descriptors): the
     forward runs one flat loop over (tile, H step), so the next tile's loads overlap a tile's
     epilogue.
+
+    ``fwd_parts`` (Hopper+, an fp32 head's split products): the forward splits its operands
+    into fp16 parts in memory once (``parts.py``: E whole, C ``fwd_parts_bytes`` of parts at a
+    time, whole splits, one launch each) and reads them through descriptors in the flat loop,
+    where without it each tile is split in registers on every visit.
     """
 
     fwd_block_n: int = 128
@@ -74,6 +79,8 @@ class LCEConfig:
     wide_block_v: int = 128  # fp32 tiles: the vocabulary tile (split products spill at 256 columns)
     wide_mm_stages: int = 3  # fp32 tiles: the Triton GEMM's stages (four of 128 x 64 fp32 tiles of
     # both operands, 256 KB, exceed the H100's and H200's 227 KB of shared memory)
+    fwd_parts: bool = True
+    fwd_parts_bytes: int = 256 * 1024 * 1024
     fp32_precision: str = "fp32"  # the products of fp32 operands (``common.dot_mode``): the
     # call's option, set on its config by ``default_config``
 
@@ -113,6 +120,7 @@ INTERPRET_CONFIG = LCEConfig(
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
     gif_rows=16, row_block=16, row_warps=4, wide_block_h=16, wide_block_v=32,
+    fwd_parts_bytes=4096,  # a few launches even on the tiny test shapes
 )
 
 #: Values of ``LCEConfig.strategy``.

@@ -53,9 +53,10 @@ from ... import settings
 from ...formulas import merge_logprob_stats, merge_partial_stats
 from ..launch import PINNED, multiprocessors  # compile options every launch pins (FMA contraction)
 from .common import (LOG_UNDERFLOW, LOWEST, LogprobArgs, check_tiles, compute_dtype, dot,
-                     SCALED, dot_mode, load_scales, tanh, unscale, upcast)
+                     SCALED, dot_mode, load_scales, parts_dot, tanh, unscale, upcast)
 from .config import LCEConfig, default_config
 from .gemm import gemm_acc, gemm_store
+from .parts import fp16_parts
 from .scales import split_scales
 
 try:  # host-side TMA descriptors (Triton >= 3.3)
@@ -80,6 +81,23 @@ def _desc_dot_step(E, C, row0, col0, h0, acc, DOT_PREC: tl.constexpr, UPCAST: tl
     """``acc += E[row0:, h0:] @ C[col0:, h0:].T`` for one H step, through TMA descriptors."""
     # (16-bit operands only: no split scales)
     return dot(E.load([row0, h0]), tl.trans(C.load([col0, h0])), acc, DOT_PREC, UPCAST, 1.0, 1.0)
+
+
+@triton.jit
+def _parts_dot_step(E, E_LO, C, C_LO, row0, col0, h0, acc, LO_E: tl.constexpr,
+                    LO_C: tl.constexpr, UPCAST: tl.constexpr):
+    """``_desc_dot_step`` of an fp32 head's split products, from the operands' fp16 parts
+    (``parts.py``): E / C the ``hi`` parts, E_LO / C_LO the ``lo`` parts where ``LO_E`` /
+    ``LO_C`` (else unread)."""
+    e = E.load([row0, h0])
+    c = tl.trans(C.load([col0, h0]))
+    e_lo = e
+    c_lo = c
+    if LO_E:
+        e_lo = E_LO.load([row0, h0])
+    if LO_C:
+        c_lo = tl.trans(C_LO.load([col0, h0]))
+    return parts_dot(e, e_lo, c, c_lo, acc, LO_E, LO_C, UPCAST)
 
 
 @triton.jit
@@ -262,15 +280,16 @@ def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, b
 
 @triton.jit
 def _lce_fwd_kernel(
-    E, C, SE, SC, BIAS, TGT, STATS, U, MT, INV_T,
+    E, C, E_LO, C_LO, SE, SC, BIAS, TGT, STATS, U, MT, INV_T,
     N, V, H,
     stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un, stride_it,
-    v_offset, softcap, scale, tiles_per_split, n_splits,
+    v_offset, softcap, scale, tiles_per_split, n_splits, split0, c_first,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
     FLAT: tl.constexpr, STORE: tl.constexpr, DESC_U: tl.constexpr, LOGPROB: tl.constexpr,
-    NEED_ARGMAX: tl.constexpr, SAVED_FOLD: tl.constexpr = False,
+    NEED_ARGMAX: tl.constexpr, SAVED_FOLD: tl.constexpr = False, PARTS: tl.constexpr = False,
+    LO_E: tl.constexpr = False, LO_C: tl.constexpr = False,
 ):
     """Nested loops (vocabulary tiles, then H), or with ``FLAT`` (``DESC`` only) one loop over
     (tile, H step) that folds a tile into the statistics after its last step, so that the
@@ -279,8 +298,15 @@ def _lce_fwd_kernel(
     the statistics are the log-prob's five (``_fold_logprob_tile``) of ``cap(scale z) / T``,
     ``1 / T`` per row from ``INV_T`` (``stride_it`` 0 for one temperature). ``SAVED_FOLD``
     (batch-invariant statistics): the loss's tiles folded as ``STORE`` folds them, saved or
-    not (``_fold``)."""
+    not (``_fold``).
+
+    ``PARTS`` (with ``FLAT``): an fp32 head's operands as fp16 parts split in memory
+    (``parts.py``) through descriptors, E / C the ``hi`` parts and E_LO / C_LO the ``lo`` parts
+    (``LO_E`` / ``LO_C``), C's rows from local column ``c_first`` on; each tile is unscaled by
+    its rows' split scales SE / SC after its last H step. A launch runs the ``n_splits`` splits
+    from ``split0`` on (those whose columns C holds)."""
     rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
+    split += split0
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -304,12 +330,22 @@ def _lce_fwd_kernel(
     if FLAT:
         num_k = tl.cdiv(H, BLOCK_H)
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+        if PARTS:
+            _, re = load_scales(SE, rows_ld, DOT_PREC)
         for it in range(0, (t_end - t_begin) * num_k):
             vt = t_begin + it // num_k
             kk = it - (vt - t_begin) * num_k
-            acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
-                                 DOT_PREC, UPCAST)
+            if PARTS:
+                acc = _parts_dot_step(E, E_LO, C, C_LO, rb * BLOCK_N, vt * BLOCK_V - c_first,
+                                      kk * BLOCK_H, acc, LO_E, LO_C, UPCAST)
+            else:
+                acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
+                                     DOT_PREC, UPCAST)
             if kk == num_k - 1:
+                if PARTS:
+                    cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
+                    _, rc = load_scales(SC, tl.where(cols < V, cols, 0), DOT_PREC)
+                    acc = unscale(acc, re, rc, DOT_PREC)
                 m, s, tg, sx, best_col = _fold(
                     acc, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx,
                     best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB,
@@ -562,8 +598,13 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     N, H = e.shape
     V = c.shape[0]
     k = 4 if logprob is None else 5
+    mode = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
+    from_parts = _parts_ok(e, mode, cfg)
     if invariant and tiles_per_split is None:
         tiles_per_split = invariant_tiles(V, cfg, e.device)
+    if from_parts and tiles_per_split is None and not cfg.split:
+        tiles_per_split = _parts_split_tiles(N, V, _parts_launch_tiles(H, V, c, cfg), cfg,
+                                             e.device)
     split, tiles_per_split = forward_split(N, V, cfg, e.device, tiles_per_split)
     stats = torch.empty((split, k, N) if parts else (k, N), dtype=torch.float32,
                         device=e.device)
@@ -576,36 +617,84 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     num_rb = triton.cdiv(N, BN)
     part = stats if split == 1 or parts else torch.empty((split, k, N), dtype=torch.float32,
                                                         device=e.device)
-    grid = (num_rb * split,)
-    desc = cfg.fwd_desc and _descriptors_ok(e, c)
-    ea, ca = _operands(e, c, BN, BV, BH, desc)
-    ua = part
-    if saved is not None:  # with descriptors for E and C, the tiles are saved through one too
-        ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc else saved.u
+    desc = cfg.fwd_desc and _descriptors_ok(e, c) and not from_parts
     inv_t, stride_it, scale = _row_scale(logprob, part)
-    mode = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
     se, sc = _split_scales(e, c, mode, part)
-    _lce_fwd_kernel[grid](
-        ea, ca, se, sc, bias if bias is not None else e, targets, part,
-        ua, saved.tile_max if saved is not None else part, inv_t,
-        N, V, H,
-        e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
-        saved.u.stride(0) if saved is not None else 0, stride_it,
-        v_offset, float(softcap) if softcap else 1.0, scale, tiles_per_split, split,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
-        NEED_SUMX=need_sumx and logprob is None,
-        EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
-        DOT_PREC=mode, UPCAST=upcast(), DESC=desc, FLAT=desc and cfg.fwd_flat,
-        STORE=saved is not None, DESC_U=desc and saved is not None,
-        LOGPROB=logprob is not None, NEED_ARGMAX=logprob is not None and logprob.need_argmax,
-        num_warps=cfg.fwd_warps,
-        num_stages=cfg.fwd_stages, **PINNED, **({"SAVED_FOLD": True} if invariant else {}),
-    )
+
+    def launch(ea, ca, e_lo, c_lo, split0: int, n_splits: int, c_first: int):
+        ua = part
+        if saved is not None:  # with descriptors for E and C, the tiles are saved through one too
+            ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc else saved.u
+        _lce_fwd_kernel[(num_rb * n_splits,)](
+            ea, ca, e_lo, c_lo, se, sc, bias if bias is not None else e, targets, part,
+            ua, saved.tile_max if saved is not None else part, inv_t,
+            N, V, H,
+            e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
+            saved.u.stride(0) if saved is not None else 0, stride_it,
+            v_offset, float(softcap) if softcap else 1.0, scale, tiles_per_split, n_splits,
+            split0, c_first,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
+            NEED_SUMX=need_sumx and logprob is None,
+            EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
+            DOT_PREC=mode, UPCAST=upcast(), DESC=desc,
+            FLAT=from_parts or (desc and cfg.fwd_flat),
+            STORE=saved is not None, DESC_U=desc and saved is not None,
+            LOGPROB=logprob is not None,
+            NEED_ARGMAX=logprob is not None and logprob.need_argmax,
+            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **PINNED,
+            **({"SAVED_FOLD": True} if invariant else {}),
+            **(dict(PARTS=True, LO_E=e_lo is not ea, LO_C=c_lo is not ca) if from_parts else {}),
+        )
+
+    if not from_parts:
+        ea, ca = _operands(e, c, BN, BV, BH, desc)
+        launch(ea, ca, ea, ca, 0, split, 0)
+    else:
+        # E split once; C a launch's columns at a time (whole splits), so that the parts in
+        # memory stay near ``parts_bytes``
+        e_hi, e_lo = fp16_parts(e, se, e.dtype == torch.float32)
+        ea = TensorDescriptor.from_tensor(e_hi, [BN, BH])
+        ea_lo = ea if e_lo is None else TensorDescriptor.from_tensor(e_lo, [BN, BH])
+        per_launch = max(1, _parts_launch_tiles(H, V, c, cfg) // tiles_per_split)
+        cols = tiles_per_split * BV
+        for s0 in range(0, split, per_launch):
+            n = min(per_launch, split - s0)
+            v0, v1 = s0 * cols, min(V, (s0 + n) * cols)
+            c_hi, c_lo = fp16_parts(c[v0:v1], sc[v0:v1], c.dtype == torch.float32)
+            ca = TensorDescriptor.from_tensor(c_hi, [BV, BH])
+            ca_lo = ca if c_lo is None else TensorDescriptor.from_tensor(c_lo, [BV, BH])
+            launch(ea, ca, ea_lo, ca_lo, s0, n, v0)
+            del c_hi, c_lo, ca, ca_lo
     if split == 1 or parts:
         return stats
     if logprob is not None:
         return torch.stack(merge_logprob_stats(part, ordered=invariant))
     return torch.stack(merge_partial_stats(part, ordered=invariant))
+
+
+def _parts_ok(e: torch.Tensor, mode: str, cfg: LCEConfig) -> bool:
+    """Whether the forward reads an fp32 head's operands as fp16 parts split in memory
+    (``LCEConfig.fwd_parts``): split products, Triton's host-side descriptors, and Hopper or
+    newer (or the interpreter)."""
+    if not (cfg.fwd_parts and mode in SCALED and TensorDescriptor is not None):
+        return False
+    return settings.interpreting() or (e.device.type == "cuda"
+                                       and torch.cuda.get_device_capability(e.device)[0] >= 9)
+
+
+def _parts_launch_tiles(H: int, V: int, c: torch.Tensor, cfg: LCEConfig) -> int:
+    """Vocabulary tiles whose fp16 parts fit ``cfg.fwd_parts_bytes`` (at least one, at most
+    all): the columns one launch of the parts forward covers."""
+    per_tile = cfg.fwd_block_v * H * 2 * (2 if c.dtype == torch.float32 else 1)
+    return max(1, min(triton.cdiv(V, cfg.fwd_block_v), cfg.fwd_parts_bytes // max(per_tile, 1)))
+
+
+def _parts_split_tiles(N: int, V: int, launch_tiles: int, cfg: LCEConfig,
+                       device: torch.device) -> int:
+    """Tiles per split of the parts forward: ``_forward_splits``' choice for the grid of one
+    launch (``launch_tiles`` columns' tiles), so that each launch fills the device."""
+    num_rb = triton.cdiv(N, cfg.fwd_block_n)
+    return triton.cdiv(launch_tiles, _forward_splits(num_rb, launch_tiles, multiprocessors(device)))
 
 
 def _split_scales(e: torch.Tensor, c: torch.Tensor, mode: str, dummy: torch.Tensor):
