@@ -143,7 +143,7 @@ def test_fp16_parts_in_memory_are_the_register_splits():
 @pytest.mark.parametrize("fp32_weight", [True, False])
 @pytest.mark.parametrize("invariant", [False, True])
 def test_forward_from_parts_in_memory_matches_splits_in_registers(hidden, fp32_weight,
-                                                                  invariant):
+                                                                  invariant, monkeypatch):
     """The forward that reads fp16 parts split in memory, in several launches of whole splits
     (``fwd_parts_bytes``), gives the statistics of the forward that splits each tile in
     registers, bit for bit, with the loss's and the log-prob's statistics and saved tiles."""
@@ -157,18 +157,28 @@ def test_forward_from_parts_in_memory_matches_splits_in_registers(hidden, fp32_w
         e = e.float()
     cfg = lcfg.INTERPRET_CONFIG.for_tiles(torch.float32)
     lp = LogprobArgs(inv_t=torch.full((1,), 1 / 0.7), scale=1.0, need_argmax=True)
+    calls = []
+    split_parts = fused.fp16_parts
+    monkeypatch.setattr(fused, "fp16_parts", lambda x, *a: calls.append(x.shape) or
+                        split_parts(x, *a))
     outs = {}
     for on in (True, False):
-        run = cfg.replace(fwd_parts=on, split=0 if invariant else 3)
-        assert fused._parts_ok(e, fused.dot_mode(e.dtype, c.dtype), run) == on
+        # a few tiles of parts per launch; the invariant splits' whole C in one
+        run = cfg.replace(fwd_parts=on, split=0 if invariant else 3,
+                          fwd_parts_bytes=(64 if invariant else 16) * 1024)
         sv = saved_tiles(e.shape[0], c.shape[0], torch.float32, e.device, run)
         outs[on] = (fused.forward_stats(e, c, b, t, 5, None, True, run, saved=sv,
                                         invariant=invariant),
                     fused.forward_stats(e, c, b, t, 5, None, True, run, logprob=lp,
                                         invariant=invariant),
                     sv.u, sv.tile_max)
+        # on: E's parts and C's (in several launches) in each call; off: none
+        assert (len(calls) >= (4 if invariant else 6)) if on else not calls, (on, calls)
+        calls.clear()
     for got, want in zip(outs[True], outs[False]):
         assert torch.equal(got, want)
+    # no room for E's parts and one tile's: split in registers
+    assert fused._parts_launch_tiles(e, c, fused.dot_mode(e.dtype, c.dtype), cfg, 1000) == 0
 
 
 @pytest.mark.parametrize("plan,hidden", [(p, h) for p in PLANS if p != "grad_in_forward"

@@ -81,6 +81,8 @@ class LCEConfig:
     # both operands, 256 KB, exceed the H100's and H200's 227 KB of shared memory)
     fwd_parts: bool = True
     fwd_parts_bytes: int = 256 * 1024 * 1024
+    parts_store_stages: int = 2  # the parts forward of two fp32 operands that saves its tiles:
+    # three stages of four 16 KB part tiles and the fp32 tile's 64 KB store staging exceed 227 KB
     fp32_precision: str = "fp32"  # the products of fp32 operands (``common.dot_mode``): the
     # call's option, set on its config by ``default_config``
 
@@ -120,7 +122,7 @@ INTERPRET_CONFIG = LCEConfig(
     chunk_bytes=37 * 24 * 4,  # a few chunks even on the tiny test shapes
     matmul="triton",
     gif_rows=16, row_block=16, row_warps=4, wide_block_h=16, wide_block_v=32,
-    fwd_parts_bytes=4096,  # a few launches even on the tiny test shapes
+    fwd_parts_bytes=32 * 1024,  # a few launches even on the tiny test shapes
 )
 
 #: Values of ``LCEConfig.strategy``.

@@ -578,7 +578,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
                   saved: Optional["SavedTiles"] = None,
                   logprob: Optional[LogprobArgs] = None, precision: Optional[str] = None,
                   invariant: bool = False, tiles_per_split: Optional[int] = None,
-                  parts: bool = False) -> torch.Tensor:
+                  parts: bool = False, room: Optional[int] = None) -> torch.Tensor:
     """Local per-row statistics ``(4, N)`` fp32: max, sum exp(x - max), target logit, sum of x.
 
     ``e (N, H)``, ``c (V, H)``, ``targets (N,)`` global class ids (``v_offset`` = first global id
@@ -593,19 +593,24 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     ``V`` when None), every tile folded as a saved one is (``SAVED_FOLD``), the splits merged by
     ``formulas.ordered_sum``. ``parts``: the ``(splits, k, N)`` statistics of the splits,
     unmerged (a caller merging several column ranges at once).
+
+    ``room``: bytes the call may allocate for a while (the memory budget's share, ``Strategy``;
+    None: unbounded). An fp32 head's operands are split into fp16 parts in memory
+    (``LCEConfig.fwd_parts``) only where E's parts and one launch's of C fit in it, C's at most
+    ``fwd_parts_bytes``; else each tile is split in registers (the same bits, slower).
     """
     cfg = _call_config(config, e.device, precision).for_tiles(compute_dtype(e.dtype, c.dtype))
     N, H = e.shape
     V = c.shape[0]
     k = 4 if logprob is None else 5
     mode = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
-    from_parts = _parts_ok(e, mode, cfg)
     if invariant and tiles_per_split is None:
         tiles_per_split = invariant_tiles(V, cfg, e.device)
-    if from_parts and tiles_per_split is None and not cfg.split:
-        tiles_per_split = _parts_split_tiles(N, V, _parts_launch_tiles(H, V, c, cfg), cfg,
-                                             e.device)
+    launch_tiles = _parts_launch_tiles(e, c, mode, cfg, room)
+    if launch_tiles and tiles_per_split is None and not cfg.split:
+        tiles_per_split = _parts_split_tiles(N, launch_tiles, cfg, e.device)
     split, tiles_per_split = forward_split(N, V, cfg, e.device, tiles_per_split)
+    from_parts = launch_tiles >= tiles_per_split
     stats = torch.empty((split, k, N) if parts else (k, N), dtype=torch.float32,
                         device=e.device)
     if N == 0:
@@ -620,6 +625,10 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     desc = cfg.fwd_desc and _descriptors_ok(e, c) and not from_parts
     inv_t, stride_it, scale = _row_scale(logprob, part)
     se, sc = _split_scales(e, c, mode, part)
+
+    stages = cfg.fwd_stages
+    if from_parts and saved is not None and mode == "h3":
+        stages = min(stages, cfg.parts_store_stages)
 
     def launch(ea, ca, e_lo, c_lo, split0: int, n_splits: int, c_first: int):
         ua = part
@@ -641,7 +650,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
             STORE=saved is not None, DESC_U=desc and saved is not None,
             LOGPROB=logprob is not None,
             NEED_ARGMAX=logprob is not None and logprob.need_argmax,
-            num_warps=cfg.fwd_warps, num_stages=cfg.fwd_stages, **PINNED,
+            num_warps=cfg.fwd_warps, num_stages=stages, **PINNED,
             **({"SAVED_FOLD": True} if invariant else {}),
             **(dict(PARTS=True, LO_E=e_lo is not ea, LO_C=c_lo is not ca) if from_parts else {}),
         )
@@ -655,7 +664,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         e_hi, e_lo = fp16_parts(e, se, e.dtype == torch.float32)
         ea = TensorDescriptor.from_tensor(e_hi, [BN, BH])
         ea_lo = ea if e_lo is None else TensorDescriptor.from_tensor(e_lo, [BN, BH])
-        per_launch = max(1, _parts_launch_tiles(H, V, c, cfg) // tiles_per_split)
+        per_launch = launch_tiles // tiles_per_split
         cols = tiles_per_split * BV
         for s0 in range(0, split, per_launch):
             n = min(per_launch, split - s0)
@@ -672,24 +681,26 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     return torch.stack(merge_partial_stats(part, ordered=invariant))
 
 
-def _parts_ok(e: torch.Tensor, mode: str, cfg: LCEConfig) -> bool:
-    """Whether the forward reads an fp32 head's operands as fp16 parts split in memory
-    (``LCEConfig.fwd_parts``): split products, Triton's host-side descriptors, and Hopper or
-    newer (or the interpreter)."""
+def _parts_launch_tiles(e: torch.Tensor, c: torch.Tensor, mode: str, cfg: LCEConfig,
+                        room: Optional[int]) -> int:
+    """Vocabulary tiles whose fp16 parts one launch of the parts forward holds (``fwd_parts``:
+    at most ``fwd_parts_bytes`` of them, and E's and theirs within ``room``); 0 where the
+    forward splits its tiles in registers instead: split products without descriptors (before
+    Hopper), or no room for E's parts and one tile's."""
     if not (cfg.fwd_parts and mode in SCALED and TensorDescriptor is not None):
-        return False
-    return settings.interpreting() or (e.device.type == "cuda"
-                                       and torch.cuda.get_device_capability(e.device)[0] >= 9)
+        return 0
+    if not settings.interpreting() and (e.device.type != "cuda"
+                                        or torch.cuda.get_device_capability(e.device)[0] < 9):
+        return 0
+    (N, H), V = e.shape, c.shape[0]
+    width = -(-H // 8) * 8  # ``parts.fp16_parts``' padded rows
+    e_bytes = N * width * 2 * (2 if e.dtype == torch.float32 else 1)
+    per_tile = cfg.fwd_block_v * width * 2 * (2 if c.dtype == torch.float32 else 1)
+    fit = cfg.fwd_parts_bytes if room is None else min(cfg.fwd_parts_bytes, room - e_bytes)
+    return min(triton.cdiv(V, cfg.fwd_block_v), max(0, fit // per_tile))
 
 
-def _parts_launch_tiles(H: int, V: int, c: torch.Tensor, cfg: LCEConfig) -> int:
-    """Vocabulary tiles whose fp16 parts fit ``cfg.fwd_parts_bytes`` (at least one, at most
-    all): the columns one launch of the parts forward covers."""
-    per_tile = cfg.fwd_block_v * H * 2 * (2 if c.dtype == torch.float32 else 1)
-    return max(1, min(triton.cdiv(V, cfg.fwd_block_v), cfg.fwd_parts_bytes // max(per_tile, 1)))
-
-
-def _parts_split_tiles(N: int, V: int, launch_tiles: int, cfg: LCEConfig,
+def _parts_split_tiles(N: int, launch_tiles: int, cfg: LCEConfig,
                        device: torch.device) -> int:
     """Tiles per split of the parts forward: ``_forward_splits``' choice for the grid of one
     launch (``launch_tiles`` columns' tiles), so that each launch fills the device."""

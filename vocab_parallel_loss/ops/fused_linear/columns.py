@@ -20,7 +20,8 @@ from ...formulas import LogprobArgs, merge_logprob_stats, merge_partial_stats
 
 def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: bool,
                     saved_cols: Optional[int] = None, logprob: Optional[LogprobArgs] = None,
-                    precision: str = "fp32", invariant: bool = False):
+                    precision: str = "fp32", invariant: bool = False,
+                    room: Optional[int] = None):
     """Local statistics of the columns of ``c`` (``(4, N)``, or ``(5, N)`` with ``logprob``)
     and the saved tiles (None unless ``saved_cols``): with ``saved_cols`` the logits tiles of
     the first ``saved_cols`` columns are saved (in fp32 when ``e2`` or ``c`` is fp32), the rest
@@ -29,11 +30,15 @@ def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: 
     ``invariant``: batch-invariant statistics (``forward_stats``' ``invariant``). With some
     columns saved, both ranges are cut into the splits of the whole ``c``
     (``invariant_tiles``; ``saved_cols`` is a whole number of them, ``strategy.py``) and all
-    their splits merged at once, so that the rows get the bits of one pass over ``c``."""
+    their splits merged at once, so that the rows get the bits of one pass over ``c``.
+
+    ``room``: what the forward may allocate for a while beside what it holds (the strategy's;
+    ``fused.forward_stats``)."""
+    extra = {} if room is None else {"room": room}
     if saved_cols is None:
         return backend.forward_stats(e2, c, bias, t, v_offset, softcap, need_sumx,
                                      logprob=logprob, precision=precision,
-                                     invariant=invariant), None
+                                     invariant=invariant, **extra), None
     cfg = backend.default_config(e2.device, precision)
     v = c.shape[0]
     vs = min(saved_cols, v)
@@ -45,11 +50,11 @@ def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: 
                      parts=True)
     stats = backend.forward_stats(e2, c[:vs], None if bias is None else bias[:vs], t, v_offset,
                                   softcap, need_sumx, config=cfg, saved=saved, logprob=logprob,
-                                  invariant=invariant, **split)
+                                  invariant=invariant, **split, **extra)
     if vs < v:
         rest = backend.forward_stats(e2, c[vs:], None if bias is None else bias[vs:], t,
                                      v_offset + vs, softcap, need_sumx, config=cfg,
-                                     logprob=logprob, invariant=invariant, **split)
+                                     logprob=logprob, invariant=invariant, **split, **extra)
         merge = merge_partial_stats if logprob is None else merge_logprob_stats
         parts = torch.cat([stats, rest]) if invariant else torch.stack([stats, rest])
         stats = torch.stack(merge(parts, ordered=invariant))

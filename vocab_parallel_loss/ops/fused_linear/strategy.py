@@ -34,6 +34,8 @@ class Strategy(NamedTuple):
     # rows per chunk (None: ``LCEConfig.gif_rows``)
     # (``chunk_bytes`` for "grad_in_forward" with a loss mask: the dlogits chunk of its
     # fallback, the recompute that backward launches for any other upstream gradient)
+    room: Optional[int] = None  # what the forward may allocate for a while beside what it
+    # holds (the fp32 head's fp16 parts, ``fused.forward_stats``); None: the config's own
 
 
 _RECOMPUTE = Strategy()
@@ -120,10 +122,12 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     takes the same path and runs the same collectives. ``invariant`` (batch-invariant
     statistics): the first columns saved are a whole number of the forward's splits
     (``invariant_tiles``), so that the statistics come from the splits of one pass."""
-    if "saved" not in backend.STRATEGIES or not torch.is_grad_enabled():
+    if "saved" not in backend.STRATEGIES:
         return _RECOMPUTE
-    if not (e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return _RECOMPUTE  # forward only: statistics, nothing saved
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    if not torch.is_grad_enabled() or not (
+            e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
+        return Strategy(room=int(budget))  # forward only: statistics, nothing saved
     cfg = backend.default_config(e.device)
     world = communication.world_size(group)
     # the saved tiles and dlogits chunks are fp32 when either operand is (an fp32 head)
@@ -139,17 +143,18 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         ok = {"saved": saved_ok, "grad_in_forward": (scalar or masked) and saved_ok,
               "recompute": True}[cfg.strategy]
         return Strategy(cfg.strategy) if ok else _RECOMPUTE
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
-    if saved_ok and backend.saved_bytes(n, v, size, cfg) + (de32 if world > 1 else 0) <= budget:
-        return Strategy("saved")
+    saved_all = backend.saved_bytes(n, v, size, cfg)
+    if saved_ok and saved_all + (de32 if world > 1 else 0) <= budget:
+        return Strategy("saved", room=int(budget - saved_all))
     # grad-in-forward runs one statistics all-gather per row chunk: only without TP, so that
     # ranks that disagree on V_local (an error every rank reports) cannot disagree on the path
     if scalar and world == 1 and saved_ok and n:
         forward, backward = gif_fixed_bytes(n, v, h, e, c, main_grad)
         rows = backend.gif_chunk_rows(n, v, size, budget - forward, cfg) if budget >= backward else 0
         if rows:
-            return Strategy("grad_in_forward", size=rows)
+            room = budget - forward - backend.saved_bytes(rows, v, size, cfg)
+            return Strategy("grad_in_forward", size=rows, room=int(room))
     # with a loss mask also under TP: its ranks run one all-gather per row chunk, a count that
     # follows from V_local (ranks that disagree on it, an error, may then disagree on the count)
     if masked and saved_ok and n:
@@ -161,7 +166,9 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
             _, backward = masked_gif_bytes(n, v, h, e, c, main_grad, world, sequence_parallel,
                                            fallback)
             if backward <= budget:
-                return Strategy("grad_in_forward", chunk_bytes=fallback, size=rows)
+                room = budget - forward - backend.saved_bytes(rows, v, size, cfg)
+                return Strategy("grad_in_forward", chunk_bytes=fallback, size=rows,
+                                room=int(room))
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
     # (the dE returned is in e's dtype, whatever the tiles')
@@ -178,10 +185,13 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
             per_split = backend.invariant_tiles(v, cfg, e.device)
             tiles = tiles // per_split * per_split
         if tiles >= 1 and (not invariant or tiles * tile < v):
-            return Strategy("saved", size=min(tiles * tile, v - 1))
+            cols = min(tiles * tile, v - 1)
+            return Strategy("saved", size=cols,
+                            room=int(budget - backend.saved_bytes(n, cols, size, cfg)))
     if recompute <= budget:
-        return _RECOMPUTE
-    return Strategy(chunk_bytes=max(1, int(budget) - de_hold))  # the narrowest chunks: a tile wide
+        return Strategy(room=int(budget))
+    # the narrowest chunks: a tile wide
+    return Strategy(chunk_bytes=max(1, int(budget) - de_hold), room=int(budget))
 
 
 def recompute_de_bytes(n: int, h: int, size: int, need_de: bool,

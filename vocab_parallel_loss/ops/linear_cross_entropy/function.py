@@ -151,7 +151,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 saved_cols = v_local if o.saved_cols is None else o.saved_cols
             stats, saved = forward_columns(o.backend, e2, c, bias, t2, v_offset, o.softcap,
                                            o.smoothing > 0, saved_cols,
-                                           precision=o.fp32_precision, invariant=o.invariant)
+                                           precision=o.fp32_precision, invariant=o.invariant,
+                                           room=o.room)
             if saved is not None:
                 ctx.tile_v = saved.block_v
             row_stats, gathered = _merge(stats, v_local, o, shapes)
@@ -350,7 +351,8 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
         tiles = K.rows_of(buf, r1 - r0)
         er, tr = e2[r0:r1], t2[r0:r1]
         stats = K.forward_stats(er, c, bias, tr, v_offset, o.softcap, o.smoothing > 0,
-                                config=cfg, saved=tiles, invariant=o.invariant)
+                                config=cfg, saved=tiles, invariant=o.invariant,
+                                **({} if o.room is None else {"room": o.room}))
         (m_r, s_r, tgt_r, d_r), gathered = _merge(stats, v, o, shapes)
         first = gathered if i == 0 else first
         row_stats[:, r0:r1] = torch.stack([m_r, s_r, tgt_r, d_r])
@@ -398,6 +400,7 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
         strategy=strategy.name, chunk_bytes=strategy.chunk_bytes,
         saved_cols=strategy.size if strategy.name == "saved" else None,
         gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
+        room=strategy.room,
         seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion,
         masked=masked_gif, fp32_precision=fp32_precision, invariant=batch_invariant)
     mask = loss_mask.detach() if masked_gif else None  # (unused by the other strategies)

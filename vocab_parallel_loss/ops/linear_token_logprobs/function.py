@@ -59,7 +59,7 @@ class _LinearLogprobs(torch.autograd.Function):
             stats, saved = forward_columns(K, e2, c[:v], None if bias is None else bias[:v], t,
                                            o.col_start, o.softcap, False, keep,
                                            LogprobArgs(inv_t, o.scale, need_argmax), precision,
-                                           invariant=o.invariant)
+                                           invariant=o.invariant, room=st.room)
         logp, ent, lse, col, ignored, bad, bad_ent, _ = finish(stats, t, o, bad_t)
         kept = () if saved is None else (saved.u, saved.tile_max, stats[3])
         ctx.save_for_backward(e, c, bias, t, inv_t, lse, ent, ignored, bad, bad_ent, *kept)
