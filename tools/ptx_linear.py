@@ -84,11 +84,12 @@ def main() -> None:
     for store in (False, True):
         for logprob in (False, True):
             for bias in (False, True):
-                args = dict(E=fwd_e, C=fwd_c, SE=f32, SC=f32, BIAS=e[0], TGT=i64, STATS=f32,
+                args = dict(E=fwd_e, C=fwd_c, E_LO=fwd_e, C_LO=fwd_c, SE=f32, SC=f32, BIAS=e[0],
+                            TGT=i64, STATS=f32,
                             U=fwd_u if store else f32, MT=f32, INV_T=f32, N=n, V=v, H=h,
                             stride_en=h, stride_eh=1, stride_cv=h, stride_ch=1, stride_t=1,
                             stride_un=v, stride_it=1, v_offset=0, softcap=1.0, scale=1.0,
-                            tiles_per_split=7, n_splits=3)
+                            tiles_per_split=7, n_splits=3, split0=0, c_first=0)
                 consts = dict(HAS_BIAS=bias, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
                               BLOCK_N=cfg.fwd_block_n, BLOCK_V=cfg.fwd_block_v,
                               BLOCK_H=cfg.fwd_block_h, GROUP_N=cfg.fwd_group_n,
@@ -128,10 +129,10 @@ def fp32_head(cfg, n, h, v, f32, i64) -> None:
     wide = cfg.for_tiles(torch.float32)
     for mode, e_dtype in (("h3", torch.float32), ("h2", torch.bfloat16)):
         e = torch.empty(16, 64, dtype=e_dtype)
-        args = dict(E=e, C=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, STATS=f32, U=f32, MT=f32,
-                    INV_T=f32, N=n, V=v, H=h, stride_en=h, stride_eh=1, stride_cv=h,
-                    stride_ch=1, stride_t=1, stride_un=v, stride_it=1, v_offset=0, softcap=1.0,
-                    scale=1.0, tiles_per_split=7, n_splits=3)
+        args = dict(E=e, C=f32, E_LO=e, C_LO=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, STATS=f32,
+                    U=f32, MT=f32, INV_T=f32, N=n, V=v, H=h, stride_en=h, stride_eh=1,
+                    stride_cv=h, stride_ch=1, stride_t=1, stride_un=v, stride_it=1, v_offset=0,
+                    softcap=1.0, scale=1.0, tiles_per_split=7, n_splits=3, split0=0, c_first=0)
         consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
                       BLOCK_N=wide.fwd_block_n, BLOCK_V=wide.fwd_block_v, BLOCK_H=wide.fwd_block_h,
                       GROUP_N=wide.fwd_group_n, DOT_PREC=mode, UPCAST=False, DESC=False,
@@ -139,6 +140,17 @@ def fp32_head(cfg, n, h, v, f32, i64) -> None:
                       SAVED_FOLD=False)
         show(f"fp32 head forward logprob {mode}",
              *compile_kernel(F._lce_fwd_kernel, args, consts, wide.fwd_warps, wide.fwd_stages))
+        # the forward from fp16 parts in memory (``parts.py``), plain and saving its tiles
+        part = torch.empty(16, 64, dtype=torch.float16)
+        pe = TensorDescriptor.from_tensor(part, [wide.fwd_block_n, wide.fwd_block_h])
+        pc = TensorDescriptor.from_tensor(part, [wide.fwd_block_v, wide.fwd_block_h])
+        for store in (False, True):
+            args.update(E=pe, C=pc, E_LO=pe, C_LO=pc)
+            stages = min(wide.fwd_stages, wide.parts_store_stages) if store and mode == "h3" \
+                else wide.fwd_stages
+            consts.update(FLAT=True, STORE=store, PARTS=True, LO_E=mode == "h3", LO_C=True)
+            show(f"fp32 head parts forward {mode}{' saved' if store else ''}",
+                 *compile_kernel(F._lce_fwd_kernel, args, consts, wide.fwd_warps, stages))
         args = dict(E=e, C=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, COEF=f32, D=f32, DB=f32,
                     INV_T=f32, N=n, V=v, H=h, v_start=0, n_cols=v, stride_en=h, stride_eh=1,
                     stride_cv=h, stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1,
