@@ -26,8 +26,8 @@ _BLOCK_L, _BLOCK_K = 32, 128
 
 
 @triton.jit
-def _split_scales_kernel(X, OUT, L, K, stride_l, stride_k, TOP: tl.constexpr,
-                         BLOCK_L: tl.constexpr, BLOCK_K: tl.constexpr):
+def _row_amax_kernel(X, OUT, L, K, stride_l, stride_k, BLOCK_L: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     row_ok = rows < L
     cols = tl.arange(0, BLOCK_K)
@@ -38,13 +38,16 @@ def _split_scales_kernel(X, OUT, L, K, stride_l, stride_k, TOP: tl.constexpr,
         x = tl.load(base + k.to(tl.int64)[None, :] * stride_k,
                     mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-    # amax in [2^(b - 127), 2^(b - 126)) for its biased exponent b (0 for zeros and subnormals,
-    # 255 for inf / NaN); k clamped to [-126, 126], where 2^k and 2^-k are normal fp32
-    biased = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    k = tl.minimum(tl.maximum(TOP + 127 - biased, -126), 126)
-    out = OUT + rows.to(tl.int64) * 2
-    tl.store(out, ((k + 127) << 23).to(tl.float32, bitcast=True), mask=row_ok)
-    tl.store(out + 1, ((127 - k) << 23).to(tl.float32, bitcast=True), mask=row_ok)
+    tl.store(OUT + rows, amax, mask=row_ok)
+
+
+def _scales_of(amax: torch.Tensor) -> torch.Tensor:
+    """``(L, 2)`` ``2^k, 2^-k`` of fp32 row maxima: ``amax`` lies in [2^(b - 127), 2^(b - 126))
+    for its biased exponent ``b`` (0 for zeros and subnormals, 255 for inf / NaN); ``k`` is
+    clamped to [-126, 126], where ``2^k`` and ``2^-k`` are normal fp32."""
+    biased = (amax.view(torch.int32) >> 23) & 0xFF
+    k = (_TOP + 127 - biased).clamp_(-126, 126)
+    return torch.stack(((k + 127) << 23, (127 - k) << 23), dim=1).view(torch.float32)
 
 
 def split_scales(x: torch.Tensor, dim: int, kernel: Optional[bool] = None) -> torch.Tensor:
@@ -52,9 +55,9 @@ def split_scales(x: torch.Tensor, dim: int, kernel: Optional[bool] = None) -> to
     ``dim``; ``L`` the other dimension's size), ``2^k`` and ``2^-k`` (the module docstring).
     A row of zeros, of inf or of NaN gets a normal scale and keeps its values' own result.
 
-    ``kernel``: the Triton kernel (the default on CUDA) or PyTorch's reductions (the default on
-    the CPU, where they allocate nothing of ``x``'s size and the interpreter would run the
-    kernel a program at a time); the same scales either way."""
+    ``kernel``: the row maxima from the Triton kernel (the default on CUDA) or from PyTorch's
+    reductions (the default on the CPU, where they allocate nothing of ``x``'s size and the
+    interpreter would run the kernel a program at a time); the same scales either way."""
     if x.dim() != 2 or dim not in (0, 1):
         raise ValueError(f"split_scales takes a 2-D tensor and dim 0 or 1, got {tuple(x.shape)} "
                          f"and {dim}")
@@ -62,12 +65,10 @@ def split_scales(x: torch.Tensor, dim: int, kernel: Optional[bool] = None) -> to
     if not (x.is_cuda if kernel is None else kernel):
         amax = (torch.zeros(L, device=x.device) if K == 0 else
                 torch.linalg.vector_norm(x, float("inf"), dim=dim).float())
-        biased = (amax.view(torch.int32) >> 23) & 0xFF
-        k = (_TOP + 127 - biased).clamp_(-126, 126)
-        return torch.stack(((k + 127) << 23, (127 - k) << 23), dim=1).view(torch.float32)
-    out = torch.empty((L, 2), dtype=torch.float32, device=x.device)
+        return _scales_of(amax)
+    amax = torch.empty((L,), dtype=torch.float32, device=x.device)
     if L:
-        _split_scales_kernel[(triton.cdiv(L, _BLOCK_L),)](
-            x, out, L, K, x.stride(1 - dim), x.stride(dim), TOP=_TOP, BLOCK_L=_BLOCK_L,
+        _row_amax_kernel[(triton.cdiv(L, _BLOCK_L),)](
+            x, amax, L, K, x.stride(1 - dim), x.stride(dim), BLOCK_L=_BLOCK_L,
             BLOCK_K=_BLOCK_K, num_warps=4, **PINNED)
-    return out
+    return _scales_of(amax)
