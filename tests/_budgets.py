@@ -3,22 +3,29 @@ engine itself uses (``ops/fused_linear/strategy.py``)."""
 
 from __future__ import annotations
 
+import torch
+
 from vocab_parallel_loss import settings
 from vocab_parallel_loss.ops.fused_linear.strategy import recompute_de_bytes
 
 
 def one_saved_tile_budget(K, n: int, h: int, v: int, size: int, cfg, need_de: bool = True,
                           sequence_parallel: bool = False, tiles: int = 1,
-                          e_size: int | None = None) -> int:
+                          e_size: int | None = None, device=None) -> int:
     """The budget that saves the first tile (or ``tiles`` tiles) of the logits and recomputes
-    the rest: the recompute path's memory (the dlogits chunk beside the fp32 dE) plus the
-    saved tiles. ``size``: the tiles' element size (4 when either operand is fp32);
-    ``e_size``: the hidden states' (default ``size``), the dE returned."""
+    the rest: the larger of the recompute path's memory (the dlogits chunk beside the fp32 dE)
+    and an fp32 head's forward parts (``K.parts_bytes``), plus the saved tiles. ``size``: the
+    tiles' element size (4 when either operand is fp32: an fp32 weight); ``e_size``: the hidden
+    states' (default ``size``), the dE returned; ``device``: the operands' (default the CPU)."""
     block = cfg.bwd_block_v
     chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
-    hold, rounding = recompute_de_bytes(n, h, size if e_size is None else e_size, need_de,
-                                        sequence_parallel)
-    return max(hold + chunk, rounding) + K.saved_bytes(n, tiles * cfg.fwd_block_v, size, cfg)
+    e_size = size if e_size is None else e_size
+    hold, rounding = recompute_de_bytes(n, h, e_size, need_de, sequence_parallel)
+    dtype = {2: torch.bfloat16, 4: torch.float32}
+    parts = K.parts_bytes(n, h, v, dtype[e_size], dtype[size], device or torch.device("cpu"),
+                          cfg)
+    return (max(hold + chunk, rounding, parts)
+            + K.saved_bytes(n, tiles * cfg.fwd_block_v, size, cfg))
 
 
 def device_columns(K, columns: int, device) -> int:

@@ -89,13 +89,13 @@ def main() -> None:
                             U=fwd_u if store else f32, MT=f32, INV_T=f32, N=n, V=v, H=h,
                             stride_en=h, stride_eh=1, stride_cv=h, stride_ch=1, stride_t=1,
                             stride_un=v, stride_it=1, v_offset=0, softcap=1.0, scale=1.0,
-                            tiles_per_split=7, n_splits=3, split0=0, c_first=0)
+                            tiles_per_split=7, n_splits=3, split0=0, c_first=0, n_rb=64, rb0=0)
                 consts = dict(HAS_BIAS=bias, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
                               BLOCK_N=cfg.fwd_block_n, BLOCK_V=cfg.fwd_block_v,
                               BLOCK_H=cfg.fwd_block_h, GROUP_N=cfg.fwd_group_n,
                               DOT_PREC="tf32", UPCAST=False, DESC=True, FLAT=True, STORE=store,
                               DESC_U=store, LOGPROB=logprob, NEED_ARGMAX=False,
-                              SAVED_FOLD=False)
+                              SAVED_FOLD=False, PARTS=False, LO_E=False, LO_C=False)
                 show(f"forward {'saved' if store else 'plain'} {'logprob' if logprob else 'loss'}"
                      f"{' bias' if bias else ''}",
                      *compile_kernel(F._lce_fwd_kernel, args, consts, cfg.fwd_warps,
@@ -132,12 +132,12 @@ def fp32_head(cfg, n, h, v, f32, i64) -> None:
         args = dict(E=e, C=f32, E_LO=e, C_LO=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, STATS=f32,
                     U=f32, MT=f32, INV_T=f32, N=n, V=v, H=h, stride_en=h, stride_eh=1,
                     stride_cv=h, stride_ch=1, stride_t=1, stride_un=v, stride_it=1, v_offset=0,
-                    softcap=1.0, scale=1.0, tiles_per_split=7, n_splits=3, split0=0, c_first=0)
+                    softcap=1.0, scale=1.0, tiles_per_split=7, n_splits=3, split0=0, c_first=0, n_rb=64, rb0=0)
         consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
                       BLOCK_N=wide.fwd_block_n, BLOCK_V=wide.fwd_block_v, BLOCK_H=wide.fwd_block_h,
                       GROUP_N=wide.fwd_group_n, DOT_PREC=mode, UPCAST=False, DESC=False,
                       FLAT=False, STORE=False, DESC_U=False, LOGPROB=True, NEED_ARGMAX=False,
-                      SAVED_FOLD=False)
+                      SAVED_FOLD=False, PARTS=False, LO_E=False, LO_C=False)
         show(f"fp32 head forward logprob {mode}",
              *compile_kernel(F._lce_fwd_kernel, args, consts, wide.fwd_warps, wide.fwd_stages))
         # the forward from fp16 parts in memory (``parts.py``), plain and saving its tiles

@@ -32,7 +32,7 @@ def _case(n, h, v, hidden, seed=0):
 def _budgets(e, c):
     n, h = e.shape
     split = one_saved_tile_budget(K, n, h, c.shape[0], 4, K.default_config(e.device),
-                                  e_size=e.element_size())
+                                  e_size=e.element_size(), device=e.device)
     return {"saved": None, "split": split, "recompute": 0}
 
 

@@ -127,7 +127,7 @@ def test_grad_in_forward_budget_counts_the_whole_accumulator(monkeypatch):
 
     def pick(budget, main_grad):
         return strategy_mod.choose_strategy(K, e, c, None, "mean", False, None, None, 0.0,
-                                            budget, main_grad)
+                                            budget, main_grad)[:3]
 
     # forward: fp32 accumulators less the bf16 gradients returned; backward rounds one at a
     # time, in the order of the lower peak: dE first (fp32 dE and dC and the bf16 dE, then fp32

@@ -68,7 +68,7 @@ def test_strategies_match_fp32(plan, softcap, scale):
     four_tiles = one_saved_tile_budget(K, n, h, v, 2, cfg, tiles=4)  # four saved, rest not
     budget = {"saved": None, "split": four_tiles, "recompute": 0}[plan]
     picked = choose_strategy(K, e, c, b, "none", False, None, softcap, 0.0, budget)
-    assert picked == {"saved": ("saved", None, None), "split": ("saved", None, 4 * tile),
+    assert picked[:3] == {"saved": ("saved", None, None), "split": ("saved", None, 4 * tile),
                       "recompute": ("recompute", 1, None)}[plan], picked
     out, grads = _run(e, c, b, t, temp, g_lp, g_ent, softcap, scale, valid, budget)
     lp, ent, am, y, want = _reference(e, c, b, t, temp, g_lp, g_ent, softcap, scale, valid)

@@ -27,7 +27,7 @@ there) or ``VPL_LCE_CONFIG``.
 from . import config
 from .common import LogprobArgs
 from .config import AMPERE_CONFIG, HOPPER_CONFIG, INTERPRET_CONFIG, LCEConfig, default_config
-from .fused import backward, forward_split, forward_stats, invariant_tiles
+from .fused import backward, forward_split, forward_stats, invariant_tiles, parts_bytes
 from .gated import zero_unless
 from .gemm import gemm_acc, gemm_store
 from .rounding import scaled_round
@@ -45,5 +45,6 @@ __all__ = [
     "backward",
     "backward_saved", "rows_of", "saved_bytes", "saved_dz_inplace", "saved_tiles",
     "config", "default_config", "forward_split", "forward_stats", "gemm_acc", "gemm_store",
+    "parts_bytes",
     "gif_chunk_rows", "invariant_tiles", "scaled_round", "zero_unless",
 ]

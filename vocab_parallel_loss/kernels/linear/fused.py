@@ -283,7 +283,7 @@ def _lce_fwd_kernel(
     E, C, E_LO, C_LO, SE, SC, BIAS, TGT, STATS, U, MT, INV_T,
     N, V, H,
     stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un, stride_it,
-    v_offset, softcap, scale, tiles_per_split, n_splits, split0, c_first,
+    v_offset, softcap, scale, tiles_per_split, n_splits, split0, c_first, n_rb, rb0,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
     GROUP_N: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, DESC: tl.constexpr,
@@ -302,10 +302,12 @@ def _lce_fwd_kernel(
 
     ``PARTS`` (with ``FLAT``): an fp32 head's operands as fp16 parts split in memory
     (``parts.py``) through descriptors, E / C the ``hi`` parts and E_LO / C_LO the ``lo`` parts
-    (``LO_E`` / ``LO_C``), C's rows from local column ``c_first`` on; each tile is unscaled by
-    its rows' split scales SE / SC after its last H step. A launch runs the ``n_splits`` splits
-    from ``split0`` on (those whose columns C holds)."""
-    rb, split = _grouped_tile(tl.program_id(0), tl.cdiv(N, BLOCK_N), n_splits, GROUP_N)
+    (``LO_E`` / ``LO_C``), C's rows from local column ``c_first`` on and E's from row block
+    ``rb0`` on; each tile is unscaled by its rows' split scales SE / SC after its last H step.
+    A launch runs the ``n_rb`` row blocks from ``rb0`` on times the ``n_splits`` splits from
+    ``split0`` on (the rows and columns whose parts E and C hold)."""
+    rb, split = _grouped_tile(tl.program_id(0), n_rb, n_splits, GROUP_N)
+    rb += rb0
     split += split0
 
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,8 +338,9 @@ def _lce_fwd_kernel(
             vt = t_begin + it // num_k
             kk = it - (vt - t_begin) * num_k
             if PARTS:
-                acc = _parts_dot_step(E, E_LO, C, C_LO, rb * BLOCK_N, vt * BLOCK_V - c_first,
-                                      kk * BLOCK_H, acc, LO_E, LO_C, UPCAST)
+                acc = _parts_dot_step(E, E_LO, C, C_LO, (rb - rb0) * BLOCK_N,
+                                      vt * BLOCK_V - c_first, kk * BLOCK_H, acc, LO_E, LO_C,
+                                      UPCAST)
             else:
                 acc = _desc_dot_step(E, C, rb * BLOCK_N, vt * BLOCK_V, kk * BLOCK_H, acc,
                                      DOT_PREC, UPCAST)
@@ -596,8 +599,9 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
 
     ``room``: bytes the call may allocate for a while (the memory budget's share, ``Strategy``;
     None: unbounded). An fp32 head's operands are split into fp16 parts in memory
-    (``LCEConfig.fwd_parts``) only where E's parts and one launch's of C fit in it, C's at most
-    ``fwd_parts_bytes``; else each tile is split in registers (the same bits, slower).
+    (``LCEConfig.fwd_parts``, ``_parts_plan``) a launch's rows and columns at a time, within
+    it; where a row block's and a split's parts do not fit, each tile is split in registers
+    (slower, and rounded differently: batch-invariant statistics take the parts always).
     """
     cfg = _call_config(config, e.device, precision).for_tiles(compute_dtype(e.dtype, c.dtype))
     N, H = e.shape
@@ -606,11 +610,11 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     mode = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
     if invariant and tiles_per_split is None:
         tiles_per_split = invariant_tiles(V, cfg, e.device)
-    launch_tiles = _parts_launch_tiles(e, c, mode, cfg, room)
-    if launch_tiles and tiles_per_split is None and not cfg.split:
-        tiles_per_split = _parts_split_tiles(N, launch_tiles, cfg, e.device)
+    plan = _parts_plan(e, c, mode, cfg, room, invariant)
+    if plan and tiles_per_split is None and not cfg.split:
+        tiles_per_split = _parts_split_tiles(plan[0], plan[1], cfg, e.device)
     split, tiles_per_split = forward_split(N, V, cfg, e.device, tiles_per_split)
-    from_parts = launch_tiles >= tiles_per_split
+    from_parts = plan is not None and (invariant or plan[1] >= tiles_per_split)
     stats = torch.empty((split, k, N) if parts else (k, N), dtype=torch.float32,
                         device=e.device)
     if N == 0:
@@ -630,18 +634,19 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     if from_parts and saved is not None and mode == "h3":
         stages = min(stages, cfg.parts_store_stages)
 
-    def launch(ea, ca, e_lo, c_lo, split0: int, n_splits: int, c_first: int):
+    def launch(ea, ca, e_lo, c_lo, split0: int, n_splits: int, c_first: int, rb0: int = 0,
+               n_rb: int = num_rb):
         ua = part
         if saved is not None:  # with descriptors for E and C, the tiles are saved through one too
             ua = TensorDescriptor.from_tensor(saved.u, [BN, BV]) if desc else saved.u
-        _lce_fwd_kernel[(num_rb * n_splits,)](
+        _lce_fwd_kernel[(n_rb * n_splits,)](
             ea, ca, e_lo, c_lo, se, sc, bias if bias is not None else e, targets, part,
             ua, saved.tile_max if saved is not None else part, inv_t,
             N, V, H,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
             saved.u.stride(0) if saved is not None else 0, stride_it,
             v_offset, float(softcap) if softcap else 1.0, scale, tiles_per_split, n_splits,
-            split0, c_first,
+            split0, c_first, n_rb, rb0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
             NEED_SUMX=need_sumx and logprob is None,
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.fwd_group_n,
@@ -659,21 +664,32 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         ea, ca = _operands(e, c, BN, BV, BH, desc)
         launch(ea, ca, ea, ca, 0, split, 0)
     else:
-        # E split once; C a launch's columns at a time (whole splits), so that the parts in
-        # memory stay near ``parts_bytes``
-        e_hi, e_lo = fp16_parts(e, se, e.dtype == torch.float32)
-        ea = TensorDescriptor.from_tensor(e_hi, [BN, BH])
-        ea_lo = ea if e_lo is None else TensorDescriptor.from_tensor(e_lo, [BN, BH])
-        per_launch = launch_tiles // tiles_per_split
+        # E a launch's rows and C a launch's columns (whole splits) at a time, so that the
+        # parts in memory stay within the plan; C split once where one launch holds all of it
+        rows, tiles = plan
+        per_launch = max(1, tiles // tiles_per_split)
         cols = tiles_per_split * BV
-        for s0 in range(0, split, per_launch):
-            n = min(per_launch, split - s0)
-            v0, v1 = s0 * cols, min(V, (s0 + n) * cols)
-            c_hi, c_lo = fp16_parts(c[v0:v1], sc[v0:v1], c.dtype == torch.float32)
-            ca = TensorDescriptor.from_tensor(c_hi, [BV, BH])
-            ca_lo = ca if c_lo is None else TensorDescriptor.from_tensor(c_lo, [BV, BH])
-            launch(ea, ca, ea_lo, ca_lo, s0, n, v0)
-            del c_hi, c_lo, ca, ca_lo
+        whole_c = per_launch >= split
+        c_parts = None
+        for r0 in range(0, N, rows):
+            r1 = min(N, r0 + rows)
+            e_hi, e_lo = fp16_parts(e[r0:r1], se[r0:r1], e.dtype == torch.float32)
+            ea = TensorDescriptor.from_tensor(e_hi, [BN, BH])
+            ea_lo = ea if e_lo is None else TensorDescriptor.from_tensor(e_lo, [BN, BH])
+            for s0 in range(0, split, per_launch):
+                n = min(per_launch, split - s0)
+                v0, v1 = s0 * cols, min(V, (s0 + n) * cols)
+                if c_parts is None:
+                    c_hi, c_lo = fp16_parts(c[v0:v1], sc[v0:v1], c.dtype == torch.float32)
+                    ca = TensorDescriptor.from_tensor(c_hi, [BV, BH])
+                    ca_lo = ca if c_lo is None else TensorDescriptor.from_tensor(c_lo, [BV, BH])
+                    c_parts = (c_hi, c_lo, ca, ca_lo)
+                launch(ea, c_parts[2], ea_lo, c_parts[3], s0, n, v0, r0 // BN,
+                       triton.cdiv(r1 - r0, BN))
+                if not whole_c:
+                    c_parts = None
+            del e_hi, e_lo, ea, ea_lo
+        del c_parts
     if split == 1 or parts:
         return stats
     if logprob is not None:
@@ -681,30 +697,66 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     return torch.stack(merge_partial_stats(part, ordered=invariant))
 
 
-def _parts_launch_tiles(e: torch.Tensor, c: torch.Tensor, mode: str, cfg: LCEConfig,
-                        room: Optional[int]) -> int:
-    """Vocabulary tiles whose fp16 parts one launch of the parts forward holds (``fwd_parts``:
-    at most ``fwd_parts_bytes`` of them, and E's and theirs within ``room``); 0 where the
-    forward splits its tiles in registers instead: split products without descriptors (before
-    Hopper), or no room for E's parts and one tile's."""
+def parts_sizes(h: int, e_dtype: torch.dtype, c_dtype: torch.dtype, cfg: LCEConfig):
+    """``(per row of E, per vocabulary tile of C)``: the bytes of their fp16 parts
+    (``parts.fp16_parts``: two parts of an fp32 operand, one of a 16-bit one, rows padded)."""
+    width = -(-h // 8) * 8
+    return (width * 2 * (2 if e_dtype == torch.float32 else 1),
+            cfg.fwd_block_v * width * 2 * (2 if c_dtype == torch.float32 else 1))
+
+
+def parts_bytes(n: int, h: int, v: int, e_dtype: torch.dtype, c_dtype: torch.dtype,
+                device: torch.device, cfg: LCEConfig) -> int:
+    """What the parts forward of ``n`` rows and ``v`` columns holds at most with room enough
+    (0 where it does not run): ``fwd_parts_bytes`` of each operand's parts, less where the
+    operand is smaller (the strategy leaves this much room in forward, ``strategy.py``)."""
+    cfg = cfg.for_tiles(compute_dtype(e_dtype, c_dtype))
+    if not _parts_device(device, dot_mode(e_dtype, c_dtype, cfg.fp32_precision), cfg):
+        return 0
+    per_row, per_tile = parts_sizes(h, e_dtype, c_dtype, cfg)
+    cap = cfg.fwd_parts_bytes
+    return min(cap, n * per_row) + min(cap, triton.cdiv(v, cfg.fwd_block_v) * per_tile)
+
+
+def _parts_device(device: torch.device, mode: str, cfg: LCEConfig) -> bool:
+    """Whether the parts forward runs for ``mode`` on ``device`` (``fwd_parts``): split
+    products, Triton's host-side descriptors, and Hopper or newer (or the interpreter)."""
     if not (cfg.fwd_parts and mode in SCALED and TensorDescriptor is not None):
-        return 0
-    if not settings.interpreting() and (e.device.type != "cuda"
-                                        or torch.cuda.get_device_capability(e.device)[0] < 9):
-        return 0
+        return False
+    return settings.interpreting() or (device.type == "cuda"
+                                       and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _parts_plan(e: torch.Tensor, c: torch.Tensor, mode: str, cfg: LCEConfig,
+                room: Optional[int], invariant: bool):
+    """``(rows, tiles)`` of E and C one launch of the parts forward holds, or None where the
+    forward splits its tiles in registers: at most ``fwd_parts_bytes`` of each operand's parts,
+    both within ``room`` (E's at most half of it). Batch-invariant statistics take the parts
+    whatever the room (at least a row block and a tile; the launches' splits, whole, may hold
+    more): which path runs must not depend on the rows or the budget, and the two round their
+    products differently (tensor-core products from registers and from shared memory)."""
+    if not _parts_device(e.device, mode, cfg):
+        return None
     (N, H), V = e.shape, c.shape[0]
-    width = -(-H // 8) * 8  # ``parts.fp16_parts``' padded rows
-    e_bytes = N * width * 2 * (2 if e.dtype == torch.float32 else 1)
-    per_tile = cfg.fwd_block_v * width * 2 * (2 if c.dtype == torch.float32 else 1)
-    fit = cfg.fwd_parts_bytes if room is None else min(cfg.fwd_parts_bytes, room - e_bytes)
-    return min(triton.cdiv(V, cfg.fwd_block_v), max(0, fit // per_tile))
+    BN = cfg.fwd_block_n
+    per_row, per_tile = parts_sizes(H, e.dtype, c.dtype, cfg)
+    cap = cfg.fwd_parts_bytes
+    rows = min(triton.cdiv(N, BN) * BN, cap // per_row // BN * BN)
+    if room is not None and not invariant:
+        rows = min(rows, room // 2 // per_row // BN * BN)
+    tiles = min(triton.cdiv(V, cfg.fwd_block_v), cap // per_tile)
+    if room is not None and not invariant:
+        tiles = min(tiles, (room - rows * per_row) // per_tile)
+    if invariant:
+        return max(rows, BN), max(tiles, 1)
+    return (rows, tiles) if rows >= BN and tiles >= 1 else None
 
 
-def _parts_split_tiles(N: int, launch_tiles: int, cfg: LCEConfig,
+def _parts_split_tiles(rows: int, launch_tiles: int, cfg: LCEConfig,
                        device: torch.device) -> int:
     """Tiles per split of the parts forward: ``_forward_splits``' choice for the grid of one
-    launch (``launch_tiles`` columns' tiles), so that each launch fills the device."""
-    num_rb = triton.cdiv(N, cfg.fwd_block_n)
+    launch (``rows`` rows, ``launch_tiles`` tiles), so that each launch fills the device."""
+    num_rb = triton.cdiv(rows, cfg.fwd_block_n)
     return triton.cdiv(launch_tiles, _forward_splits(num_rb, launch_tiles, multiprocessors(device)))
 
 

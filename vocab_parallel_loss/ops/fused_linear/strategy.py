@@ -180,7 +180,10 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         # the saved tiles live until backward returns
         tile = cfg.fwd_block_v
         per_tile = backend.saved_bytes(n, tile, size, cfg)
-        tiles = int((budget - recompute) // per_tile)
+        # the forward's room beside the saved tiles: the fp32 head's fp16 parts, where they run
+        # (their forward is faster by more than the recompute of the columns they displace)
+        parts = backend.parts_bytes(n, h, v, e.dtype, c.dtype, e.device, cfg)
+        tiles = int((budget - max(recompute, parts)) // per_tile)
         if invariant:  # whole splits
             per_split = backend.invariant_tiles(v, cfg, e.device)
             tiles = tiles // per_split * per_split
