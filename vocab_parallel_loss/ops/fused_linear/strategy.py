@@ -181,16 +181,16 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         tile = cfg.fwd_block_v
         per_tile = backend.saved_bytes(n, tile, size, cfg)
         # the forward's room beside the saved tiles: the fp32 head's fp16 parts, where they run
-        # (their forward is faster by more than the recompute of the columns they displace)
+        # (their forward is faster by more than the recompute of the columns they displace),
+        # unless that room leaves no column saved
         parts = backend.parts_bytes(n, h, v, e.dtype, c.dtype, e.device, cfg)
-        tiles = int((budget - max(recompute, parts)) // per_tile)
-        if invariant:  # whole splits
-            per_split = backend.invariant_tiles(v, cfg, e.device)
-            tiles = tiles // per_split * per_split
-        if tiles >= 1 and (not invariant or tiles * tile < v):
-            cols = min(tiles * tile, v - 1)
-            return Strategy("saved", size=cols,
-                            room=int(budget - backend.saved_bytes(n, cols, size, cfg)))
+        per_split = backend.invariant_tiles(v, cfg, e.device) if invariant else 1
+        for held in dict.fromkeys((max(recompute, parts), recompute)):
+            tiles = int((budget - held) // per_tile) // per_split * per_split  # whole splits
+            if tiles >= 1 and (not invariant or tiles * tile < v):
+                cols = min(tiles * tile, v - 1)
+                return Strategy("saved", size=cols,
+                                room=int(budget - backend.saved_bytes(n, cols, size, cfg)))
     if recompute <= budget:
         return Strategy(room=int(budget))
     # the narrowest chunks: a tile wide
