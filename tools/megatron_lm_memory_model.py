@@ -109,7 +109,8 @@ def fused_linear_strategy(m: Shape, budget_gib: Optional[float]) -> dict:
     from vocab_parallel_loss.ops.fused_linear import strategy as st
 
     backend = SimpleNamespace(**{k: getattr(kernels, k) for k in
-                                 ("STRATEGIES", "saved_bytes", "gif_chunk_rows", "invariant_tiles")})
+                                 ("STRATEGIES", "saved_bytes", "gif_chunk_rows", "invariant_tiles",
+                                  "parts_bytes")})
     backend.default_config = lambda device: lce_config.HOPPER_CONFIG
     n, v, h = m.tokens, m.vocab, m.hidden
     e = torch.empty((n, h), dtype=torch.bfloat16, device="meta", requires_grad=True)

@@ -66,7 +66,8 @@ class LinearBackend(Protocol):
     NAME: str
     TRACEABLE: bool  #: torch.compile traces it (else it runs as a graph break)
     #: the ways to form the gradients it runs (``ops.fused_linear.strategy``); with "saved" it
-    #: also has ``default_config``, ``saved_tiles``, ``SavedTiles`` and ``backward_saved``
+    #: also has ``default_config``, ``saved_tiles``, ``SavedTiles``, ``backward_saved`` and
+    #: ``parts_bytes``, and its ``forward_stats`` takes the strategy's ``room``
     STRATEGIES: Tuple[str, ...]
 
     #: ``logprob`` (``formulas.LogprobArgs``): the log-prob mode, ``(5, N)`` statistics and
