@@ -673,28 +673,32 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         c_parts = None
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
-            e_hi, e_lo = fp16_parts(e[r0:r1], se[r0:r1], e.dtype == torch.float32)
-            ea = TensorDescriptor.from_tensor(e_hi, [BN, BH])
-            ea_lo = ea if e_lo is None else TensorDescriptor.from_tensor(e_lo, [BN, BH])
+            ea, ea_lo = _descriptor_parts(e[r0:r1], se[r0:r1], BN, BH)
             for s0 in range(0, split, per_launch):
                 n = min(per_launch, split - s0)
                 v0, v1 = s0 * cols, min(V, (s0 + n) * cols)
-                if c_parts is None:
-                    c_hi, c_lo = fp16_parts(c[v0:v1], sc[v0:v1], c.dtype == torch.float32)
-                    ca = TensorDescriptor.from_tensor(c_hi, [BV, BH])
-                    ca_lo = ca if c_lo is None else TensorDescriptor.from_tensor(c_lo, [BV, BH])
-                    c_parts = (c_hi, c_lo, ca, ca_lo)
-                launch(ea, c_parts[2], ea_lo, c_parts[3], s0, n, v0, r0 // BN,
+                if c_parts is None:  # (the previous launch's released first)
+                    c_parts = _descriptor_parts(c[v0:v1], sc[v0:v1], BV, BH)
+                launch(ea, c_parts[0], ea_lo, c_parts[1], s0, n, v0, r0 // BN,
                        triton.cdiv(r1 - r0, BN))
                 if not whole_c:
                     c_parts = None
-            del e_hi, e_lo, ea, ea_lo
+            del ea, ea_lo
         del c_parts
     if split == 1 or parts:
         return stats
     if logprob is not None:
         return torch.stack(merge_logprob_stats(part, ordered=invariant))
     return torch.stack(merge_partial_stats(part, ordered=invariant))
+
+
+def _descriptor_parts(x: torch.Tensor, scales: torch.Tensor, block_l: int, block_h: int):
+    """TMA descriptors of ``[block_l, block_h]`` blocks over the fp16 parts of ``x``
+    (``parts.fp16_parts``): ``hi`` and ``lo`` for an fp32 ``x``, ``hi`` twice for a 16-bit one
+    (the kernel's ``LO_E`` / ``LO_C`` tell them apart). The descriptors hold the parts alive."""
+    hi, lo = fp16_parts(x, scales, x.dtype == torch.float32)
+    d_hi = TensorDescriptor.from_tensor(hi, [block_l, block_h])
+    return d_hi, (d_hi if lo is None else TensorDescriptor.from_tensor(lo, [block_l, block_h]))
 
 
 def parts_sizes(h: int, e_dtype: torch.dtype, c_dtype: torch.dtype, cfg: LCEConfig):
