@@ -42,9 +42,10 @@ class LCEConfig:
     epilogue.
 
     ``fwd_parts`` (Hopper+, an fp32 head's split products): the forward splits its operands
-    into fp16 parts in memory once (``parts.py``: E whole, C ``fwd_parts_bytes`` of parts at a
-    time, whole splits, one launch each) and reads them through descriptors in the flat loop,
-    where without it each tile is split in registers on every visit.
+    into fp16 parts in memory (``parts.py``: a launch's rows of E and columns of C, whole
+    splits, at most ``fwd_parts_bytes`` of each and within the budget's room,
+    ``fused._parts_plan``) and reads them through descriptors in the flat loop, where without
+    it each tile is split in registers on every visit.
     """
 
     fwd_block_n: int = 128
