@@ -184,6 +184,18 @@ def test_forward_from_parts_in_memory_matches_splits_in_registers(hidden, fp32_w
     assert rows < e.shape[0] and tiles >= 1  # several launches of rows
     assert fused._parts_plan(e, c, mode, cfg, 1000, False) is None
     assert fused._parts_plan(e, c, mode, cfg, 1000, True) is not None
+    # within a stated room: one launch's parts of E and of C at a time, both within it
+    per_row, per_tile = fused.parts_sizes(40, e.dtype, c.dtype, cfg)
+    room = 30000  # fewer rows than E has, and a split of C
+    of_e = {"E": [], "C": []}
+    monkeypatch.setattr(fused, "fp16_parts", lambda x, *a: of_e[
+        "E" if x.untyped_storage().data_ptr() == e.untyped_storage().data_ptr() else "C"
+    ].append(x.shape[0]) or split_parts(x, *a))
+    fused.forward_stats(e, c, b, t, 5, None, True, cfg.replace(split=3, fwd_parts_bytes=2**30),
+                        room=room)
+    assert len(of_e["E"]) > 1 and of_e["C"]  # E's rows in several launches
+    rows, cols = max(of_e["E"]), max(of_e["C"])
+    assert rows * per_row + -(-cols // cfg.fwd_block_v) * per_tile <= room, (of_e, room)
 
 
 @pytest.mark.parametrize("plan,hidden", [(p, h) for p in PLANS if p != "grad_in_forward"
