@@ -94,55 +94,13 @@ def _exact(a, b):
 
 
 @triton.jit
-def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
-    """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``); ``sa`` per row of ``a`` and
-    ``sb`` per column of ``b`` are the split scales (``load_scales``), and an ``"h3"`` / ``"h2"``
-    accumulator is of the scaled operands (``unscale`` it once after the last step). Each K
-    step's split products go into a fresh accumulator, smallest first, added to ``acc`` in
-    fp32: the tensor cores truncate each sum they form to the largest term's precision, so
-    summing into ``acc`` itself would drop part of every small product and bias the result by
-    one unit of ``acc`` per product (1e-4 relative at H = 4096)."""
-    if DOT == "h3":
-        a_hi, a_lo = _fp16_parts(a.to(tl.float32) * sa[:, None])
-        b_hi, b_lo = _fp16_parts(b.to(tl.float32) * sb[None, :])
-        if UPCAST:
-            acc += (_exact(a_lo, b_hi) + _exact(a_hi, b_lo) + _exact(a_hi, b_hi)).to(tl.float32)
-        else:
-            step = tl.dot(a_lo, b_hi)
-            step = tl.dot(a_hi, b_lo, step)
-            acc += tl.dot(a_hi, b_hi, step)
-    elif DOT == "h2":
-        if a.dtype == tl.float32:
-            hi, lo = _fp16_parts(a * sa[:, None])
-            b = (b.to(tl.float32) * sb[None, :]).to(tl.float16)
-            if UPCAST:
-                acc += (_exact(lo, b) + _exact(hi, b)).to(tl.float32)
-            else:
-                acc += tl.dot(hi, b, tl.dot(lo, b))
-        else:
-            hi, lo = _fp16_parts(b * sb[None, :])
-            a = (a.to(tl.float32) * sa[:, None]).to(tl.float16)
-            if UPCAST:
-                acc += (_exact(a, lo) + _exact(a, hi)).to(tl.float32)
-            else:
-                acc += tl.dot(a, hi, tl.dot(a, lo))
-    elif UPCAST:
-        acc += _exact(a, b).to(tl.float32)
-    else:
-        if a.dtype != b.dtype:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT)
-    return acc
-
-
-@triton.jit
 def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
               UPCAST: tl.constexpr):
-    """``dot``'s ``"h3"`` / ``"h2"`` step from parts split in memory (``parts.py``): ``e`` and
-    ``c`` the fp16 ``hi`` parts (or the one fp16 part of a 16-bit operand), ``e_lo`` / ``c_lo``
-    the ``lo`` parts where ``LO_E`` / ``LO_C``; the products, their order and the fresh step
-    accumulator of ``dot``, so the sums are the same bits as its own."""
+    """One K step of the ``"h3"`` / ``"h2"`` split products: ``e`` and ``c`` the fp16 ``hi``
+    parts (or the one fp16 part of a 16-bit operand), ``e_lo`` / ``c_lo`` the ``lo`` parts where
+    ``LO_E`` / ``LO_C`` (else unread); smallest products first into a fresh step accumulator
+    (``dot``). ``dot`` calls it on parts split in registers, the parts forward on parts split
+    in memory (``parts.py``): one order of products for both."""
     if LO_E and LO_C:
         if UPCAST:
             acc += (_exact(e_lo, c) + _exact(e, c_lo) + _exact(e, c)).to(tl.float32)
@@ -160,6 +118,38 @@ def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
             acc += (_exact(e, c_lo) + _exact(e, c)).to(tl.float32)
         else:
             acc += tl.dot(e, c, tl.dot(e, c_lo))
+    return acc
+
+
+@triton.jit
+def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
+    """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``); ``sa`` per row of ``a`` and
+    ``sb`` per column of ``b`` are the split scales (``load_scales``), and an ``"h3"`` / ``"h2"``
+    accumulator is of the scaled operands (``unscale`` it once after the last step). Each K
+    step's split products go into a fresh accumulator, smallest first, added to ``acc`` in
+    fp32: the tensor cores truncate each sum they form to the largest term's precision, so
+    summing into ``acc`` itself would drop part of every small product and bias the result by
+    one unit of ``acc`` per product (1e-4 relative at H = 4096)."""
+    if DOT == "h3":
+        a_hi, a_lo = _fp16_parts(a.to(tl.float32) * sa[:, None])
+        b_hi, b_lo = _fp16_parts(b.to(tl.float32) * sb[None, :])
+        acc = parts_dot(a_hi, a_lo, b_hi, b_lo, acc, True, True, UPCAST)
+    elif DOT == "h2":
+        if a.dtype == tl.float32:
+            hi, lo = _fp16_parts(a * sa[:, None])
+            b = (b.to(tl.float32) * sb[None, :]).to(tl.float16)
+            acc = parts_dot(hi, lo, b, b, acc, True, False, UPCAST)
+        else:
+            hi, lo = _fp16_parts(b * sb[None, :])
+            a = (a.to(tl.float32) * sa[:, None]).to(tl.float16)
+            acc = parts_dot(a, a, hi, lo, acc, False, True, UPCAST)
+    elif UPCAST:
+        acc += _exact(a, b).to(tl.float32)
+    else:
+        if a.dtype != b.dtype:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=DOT)
     return acc
 
 
