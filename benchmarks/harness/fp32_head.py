@@ -76,6 +76,8 @@ def implementations(verl=None) -> List[Tuple[str, str, str, Callable]]:
             ("ours, fp32_precision=fp32, 0.5 GiB", "fp32", "fp32", ours("fp32", SMALL_BUDGET)),
             ("ours, bf16 hidden, fp32_precision=fp32, 0.5 GiB", "bf16", "fp32",
              ours("fp32", SMALL_BUDGET)),
+            ("ours, fp32_precision=fp32, batch-invariant", "fp32", "fp32",
+             ours("fp32", invariant=True)),
             ("ours, bf16 hidden, fp32_precision=fp32, batch-invariant", "bf16", "fp32",
              ours("fp32", invariant=True)),
             ("torch fp32 rows, TF32 off", "fp32", "fp32", torch_rows(False)),
