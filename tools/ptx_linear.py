@@ -125,9 +125,10 @@ def main() -> None:
 
 def fp32_head(cfg, n, h, v, f32, i64) -> None:
     """An fp32 head's kernels (pointers, fp32 tiles): the log-prob forward, the dlogits kernel and
-    the Triton GEMM, for fp32 hidden states (``"h3"``) and bf16 ones (``"h2"``)."""
+    the Triton GEMM, for fp32 hidden states (``"h3"``), bf16 ones (``"h2"``) and fp32 ones at
+    ``fp32_precision="tf32"`` (``"h1"``)."""
     wide = cfg.for_tiles(torch.float32)
-    for mode, e_dtype in (("h3", torch.float32), ("h2", torch.bfloat16)):
+    for mode, e_dtype in (("h3", torch.float32), ("h2", torch.bfloat16), ("h1", torch.float32)):
         e = torch.empty(16, 64, dtype=e_dtype)
         args = dict(E=e, C=f32, E_LO=e, C_LO=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, STATS=f32,
                     U=f32, MT=f32, INV_T=f32, N=n, V=v, H=h, stride_en=h, stride_eh=1,
@@ -148,7 +149,8 @@ def fp32_head(cfg, n, h, v, f32, i64) -> None:
             args.update(E=pe, C=pc, E_LO=pe, C_LO=pc)
             stages = min(wide.fwd_stages, wide.parts_store_stages) if store and mode == "h3" \
                 else wide.fwd_stages
-            consts.update(FLAT=True, STORE=store, PARTS=True, LO_E=mode == "h3", LO_C=True)
+            consts.update(FLAT=True, STORE=store, PARTS=True, LO_E=mode == "h3",
+                          LO_C=mode != "h1")
             show(f"fp32 head parts forward {mode}{' saved' if store else ''}",
                  *compile_kernel(F._lce_fwd_kernel, args, consts, wide.fwd_warps, stages))
         args = dict(E=e, C=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, COEF=f32, D=f32, DB=f32,
@@ -166,10 +168,10 @@ def fp32_head(cfg, n, h, v, f32, i64) -> None:
                     stride_ak=1, stride_bk=h, stride_bn=1, stride_om=h, stride_on=1, SKIP=f32)
         consts = dict(ACCUMULATE=True, EVEN_K=True, BLOCK_M=wide.mm_block_m,
                       BLOCK_N=wide.mm_block_n, BLOCK_K=wide.wide_block_h,
-                      GROUP_M=wide.mm_group_m, DOT_PREC="h3", UPCAST=False, GATED=False)
-        if mode == "h3":
-            show("fp32 head GEMM h3", *compile_kernel(G._mm_kernel, args, consts, wide.mm_warps,
-                                                      wide.mm_stages))
+                      GROUP_M=wide.mm_group_m, DOT_PREC=mode, UPCAST=False, GATED=False)
+        if mode != "h2":
+            show(f"fp32 head GEMM {mode}", *compile_kernel(G._mm_kernel, args, consts,
+                                                           wide.mm_warps, wide.wide_mm_stages))
 
 
 if __name__ == "__main__":

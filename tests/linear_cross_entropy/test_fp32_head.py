@@ -165,14 +165,16 @@ def test_forward_from_parts_in_memory_matches_splits_in_registers(hidden, fp32_w
     monkeypatch.setattr(fused, "fp16_parts", lambda x, *a: calls.append(x.shape) or
                         split_parts(x, *a))
     outs = {}
+    # the invariant splits of the parts forward's launches, for both (without the parts the
+    # invariant count is that of one launch over all the tiles)
+    tps = fused.invariant_tiles(e, c, cfg.replace(split=0, fwd_parts_bytes=16 * 1024))
+    same = {"invariant": invariant, "tiles_per_split": tps if invariant else None}
     for on in (True, False):
         # 96 or 192 rows and a few tiles of parts per launch
         run = cfg.replace(fwd_parts=on, split=0 if invariant else 3, fwd_parts_bytes=16 * 1024)
         sv = saved_tiles(e.shape[0], c.shape[0], torch.float32, e.device, run)
-        outs[on] = (fused.forward_stats(e, c, b, t, 5, None, True, run, saved=sv,
-                                        invariant=invariant),
-                    fused.forward_stats(e, c, b, t, 5, None, True, run, logprob=lp,
-                                        invariant=invariant),
+        outs[on] = (fused.forward_stats(e, c, b, t, 5, None, True, run, saved=sv, **same),
+                    fused.forward_stats(e, c, b, t, 5, None, True, run, logprob=lp, **same),
                     sv.u, sv.tile_max)
         # on: E's parts and C's (in several launches) in each call; off: none
         assert (len(calls) >= 6) if on else not calls, (on, calls)
@@ -237,10 +239,50 @@ def test_autocast_keeps_the_fp32_head(impl, hidden):
     assert (out.log_probs.double() - lp).abs().max() < ABS
 
 
+def _round_to_tf32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp64 rounded to 11 significand bits (TF32's and fp16's), to nearest even."""
+    m, ex = torch.frexp(x.double())
+    return torch.ldexp(torch.round(m * 2048) / 2048, ex)
+
+
+@pytest.mark.skipif("saved" not in PLANS, reason="the Triton kernels (interpreter or GPU)")
+@pytest.mark.parametrize("plan", [p for p in PLANS if p != "torch"])
+@pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
+def test_tf32_takes_the_products_of_operands_rounded_to_tf32(plan, hidden):
+    """The Triton kernels' ``fp32_precision="tf32"`` (one fp16 product of rows scaled by powers
+    of two) gives the logits of both operands rounded to 11 significand bits, as TF32 does:
+    the loss and log-probs of the rounded operands in fp64 within fp32-class error, and those
+    of the operands as given ~1e-3 away."""
+    e, c, b, t = _inputs(hidden=hidden, seed=4)
+    e, c = e * 2.0 ** -20, c * 2.0 ** 20  # far from fp16's range: the row scales bring them in
+    leaves = [x.clone().requires_grad_() for x in (e, c, b)]
+    impl, budget = plan_call(plan, e, c)
+    with plan_config(plan):
+        loss = linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], reduction="none",
+                                    impl=impl, memory_budget=budget, fp32_precision="tf32")
+        out = linear_token_logprobs(leaves[0], leaves[1], t, leaves[2], impl=impl,
+                                    memory_budget=budget, fp32_precision="tf32",
+                                    return_entropy=True)
+    keep = t != -100
+    for operands, near in (((_round_to_tf32(e), _round_to_tf32(c)), True),
+                           ((e.double(), c.double()), False)):
+        x = operands[0] @ operands[1].t() + b.double()
+        ref_loss = torch.nn.functional.cross_entropy(x, t, reduction="none")
+        lp, ent, _ = oracle(x, t)
+        errs = [(loss.double() - ref_loss)[keep].abs().max(),
+                (out.log_probs.double() - lp)[keep].abs().max(),
+                (out.entropy.double() - ent).abs().max()]
+        if near:
+            assert max(errs) < ABS, errs
+        else:
+            assert (errs[0] > 10 * ABS) and (errs[1] > 10 * ABS), errs
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"] if "saved" in PLANS else ["torch"])
 def test_tf32_precision_is_accepted(impl):
-    """``fp32_precision="tf32"`` trades the split products for TF32 on the GPU; on CPU the
-    products stay fp32 (no TF32 there), so the result is the fp32 one."""
+    """``fp32_precision="tf32"``: TF32-class products (the Triton kernels round both operands
+    to TF32's 11 significand bits, on the CPU too; PyTorch's CPU matmuls have no TF32 and stay
+    fp32), within TF32-class error of fp64."""
     e, c, b, t = _inputs(seed=3)
     loss = linear_cross_entropy(e, c, t, b, impl=impl, fp32_precision="tf32")
     out = linear_token_logprobs(e, c, t, b, impl=impl, fp32_precision="tf32")

@@ -26,24 +26,30 @@ def upcast() -> bool:
     return settings.interpreting()
 
 
-#: The modes of ``dot`` whose fp32 operands are split into fp16 parts: their kernels take
-#: per-row scales (``scales.split_scales``) and unscale the accumulator once (``unscale``)
-SCALED = ("h3", "h2")
+#: The modes of ``dot`` whose operands are scaled per row into fp16's range and taken as fp16
+#: parts: their kernels take the scales (``scales.split_scales``) and unscale the accumulator
+#: once (``unscale``)
+SCALED = ("h3", "h2", "h1")
 
 
 def dot_mode(a: torch.dtype, b: torch.dtype, precision: str = "fp32") -> str:
     """The ``DOT`` constexpr of ``dot`` for operands of dtypes ``a`` and ``b`` and the call's
     ``precision`` (``checks.FP32_PRECISIONS``).
 
-    Two 16-bit operands: one tensor-core product (the string is not read). An fp32 operand
-    under ``"tf32"``: TF32 products. Under ``"fp32"``, each operand is scaled by a power of two
-    per row (``scales.split_scales``) and an fp32 one split into two fp16 parts, ``hi + lo``,
-    which hold 22 of its 24 significand bits: two fp32 operands take ``"h3"`` (three fp16 products,
+    Two 16-bit operands: one tensor-core product (the string is not read). With an fp32
+    operand, each operand is scaled by a power of two per row (``scales.split_scales``) into
+    fp16's range. Under ``"fp32"`` an fp32 one is split into two fp16 parts, ``hi + lo``, which
+    hold 22 of its 24 significand bits: two fp32 operands take ``"h3"`` (three fp16 products,
     the fourth, ``lo lo``, under 2^-22 of ``|a||b|``), a 16-bit and an fp32 one ``"h2"`` (the
-    16-bit one is one fp16 part: two products).
+    16-bit one is one fp16 part: two products). Under ``"tf32"`` both take ``"h1"``: one fp16
+    product of the ``hi`` parts, TF32's precision (11 significand bits, rounded to nearest) at
+    the fp16 rate, twice TF32's, and with no layout restriction (TF32 tensor-core products
+    need both operands K-major in shared memory, which the gradient GEMMs' ``dz.T`` is not).
     """
-    if torch.float32 not in (a, b) or precision == "tf32":
+    if torch.float32 not in (a, b):
         return "tf32"
+    if precision == "tf32":
+        return "h1"
     return "h3" if a == b else "h2"
 
 
@@ -58,7 +64,7 @@ def compute_dtype(a: torch.dtype, b: torch.dtype) -> torch.dtype:
 def load_scales(S, idx, DOT: tl.constexpr):
     """The scales of rows ``idx`` (``scales.split_scales``' ``(L, 2)``): ``2^k`` and ``2^-k``; ones
     for the modes that do not scale."""
-    if DOT == "h3" or DOT == "h2":
+    if DOT == "h3" or DOT == "h2" or DOT == "h1":
         s = tl.load(S + idx.to(tl.int64) * 2)
         r = tl.load(S + idx.to(tl.int64) * 2 + 1)
     else:
@@ -71,7 +77,7 @@ def load_scales(S, idx, DOT: tl.constexpr):
 def unscale(acc, ra, rb, DOT: tl.constexpr):
     """The accumulator of scaled operands' products back to the operands' own scale (exact:
     powers of two)."""
-    if DOT == "h3" or DOT == "h2":
+    if DOT == "h3" or DOT == "h2" or DOT == "h1":
         acc = acc * ra[:, None] * rb[None, :]
     return acc
 
@@ -96,10 +102,10 @@ def _exact(a, b):
 @triton.jit
 def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
               UPCAST: tl.constexpr):
-    """One K step of the ``"h3"`` / ``"h2"`` split products: ``e`` and ``c`` the fp16 ``hi``
-    parts (or the one fp16 part of a 16-bit operand), ``e_lo`` / ``c_lo`` the ``lo`` parts where
-    ``LO_E`` / ``LO_C`` (else unread); smallest products first into a fresh step accumulator
-    (``dot``). ``dot`` calls it on parts split in registers, the parts forward on parts split
+    """One K step of the ``"h3"`` / ``"h2"`` / ``"h1"`` products: ``e`` and ``c`` the fp16
+    ``hi`` parts (or the one fp16 part of a 16-bit operand), ``e_lo`` / ``c_lo`` the ``lo``
+    parts where ``LO_E`` / ``LO_C`` (else unread; neither: ``"h1"``'s one product); split
+    products smallest first into a fresh step accumulator (``dot``). ``dot`` calls it on parts split in registers, the parts forward on parts split
     in memory (``parts.py``): one order of products for both."""
     if LO_E and LO_C:
         if UPCAST:
@@ -113,19 +119,23 @@ def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
             acc += (_exact(e_lo, c) + _exact(e, c)).to(tl.float32)
         else:
             acc += tl.dot(e, c, tl.dot(e_lo, c))
-    else:
+    elif LO_C:
         if UPCAST:
             acc += (_exact(e, c_lo) + _exact(e, c)).to(tl.float32)
         else:
             acc += tl.dot(e, c, tl.dot(e, c_lo))
+    elif UPCAST:
+        acc += _exact(e, c).to(tl.float32)
+    else:  # one product: into acc, as any fp16 GEMM with an fp32 accumulator
+        acc = tl.dot(e, c, acc)
     return acc
 
 
 @triton.jit
 def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
     """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``); ``sa`` per row of ``a`` and
-    ``sb`` per column of ``b`` are the split scales (``load_scales``), and an ``"h3"`` / ``"h2"``
-    accumulator is of the scaled operands (``unscale`` it once after the last step). Each K
+    ``sb`` per column of ``b`` are the split scales (``load_scales``), and the accumulator of
+    a scaled mode (``SCALED``) is of the scaled operands (``unscale`` it once after the last step). Each K
     step's split products go into a fresh accumulator, smallest first, added to ``acc`` in
     fp32: the tensor cores truncate each sum they form to the largest term's precision, so
     summing into ``acc`` itself would drop part of every small product and bias the result by
@@ -143,13 +153,14 @@ def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
             hi, lo = _fp16_parts(b * sb[None, :])
             a = (a.to(tl.float32) * sa[:, None]).to(tl.float16)
             acc = parts_dot(a, a, hi, lo, acc, False, True, UPCAST)
+    elif DOT == "h1":
+        a = (a.to(tl.float32) * sa[:, None]).to(tl.float16)
+        b = (b.to(tl.float32) * sb[None, :]).to(tl.float16)
+        acc = parts_dot(a, a, b, b, acc, False, False, UPCAST)
     elif UPCAST:
         acc += _exact(a, b).to(tl.float32)
     else:
-        if a.dtype != b.dtype:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=DOT)
+        acc = tl.dot(a, b, acc)
     return acc
 
 

@@ -529,39 +529,71 @@ def _forward_splits(num_rb: int, num_vt: int, sms: int) -> int:
     return best
 
 
-#: Row blocks at which the batch-invariant split count is compared with ``_forward_splits``'
-#: choice: 1K to 64K tokens at 128-row blocks.
+#: Row blocks at which the batch-invariant split is compared with the per-grid choice: 1K to
+#: 64K tokens at 128-row blocks.
 INVARIANT_ROW_BLOCKS = (8, 32, 128, 512)
 
 
-@functools.lru_cache(maxsize=None)
-def _invariant_splits(num_vt: int, sms: int) -> int:
-    """Vocabulary splits of the batch-invariant forward: one count for every number of rows,
-    so that a row's statistics are folded over the same tiles and merged over the same splits
-    in any batch. The count whose estimated run (``_forward_splits``' cost: waves times tiles
-    per program plus half a tile) is the closest, at its worst, to that of the count chosen
-    per grid over ``INVARIANT_ROW_BLOCKS``: on 132 multiprocessors at 594 tiles (V = 151936)
-    33 splits, within 2% of the per-grid choice from 1K to 64K tokens. Smaller batches fill
-    fewer multiprocessors than the per-grid count would (3.4x its estimate at 128 rows)."""
-    def cost(num_rb: int, s: int) -> float:
-        tiles = triton.cdiv(num_vt, s)
-        return triton.cdiv(num_rb * triton.cdiv(num_vt, tiles), sms) * (tiles + 0.5)
+def _run_estimate(num_rb: int, num_vt: int, tiles: int, launch_tiles: int, launch_rb: int,
+                  sms: int) -> float:
+    """Estimated run, in tile times, of the forward over ``num_rb`` row blocks and ``num_vt``
+    tiles in splits of ``tiles``, launched ``launch_rb`` row blocks and as many whole splits as
+    ``launch_tiles`` hold at a time (the parts forward's launches; one launch where both cover
+    everything): each launch's waves times the tiles per program plus half a tile
+    (``_forward_splits``' cost)."""
+    splits = triton.cdiv(num_vt, tiles)
+    per_launch = max(1, launch_tiles // tiles)
+    full_s, rest_s = divmod(splits, per_launch)
+    full_r, rest_r = divmod(num_rb, launch_rb)
 
+    def waves(rbs: int) -> int:
+        return full_s * triton.cdiv(rbs * per_launch, sms) + triton.cdiv(rbs * rest_s, sms)
+
+    return (full_r * waves(launch_rb) + waves(rest_r)) * (tiles + 0.5)
+
+
+@functools.lru_cache(maxsize=None)
+def _invariant_split_tiles(num_vt: int, sms: int, launch_tiles: int, launch_rb: int) -> int:
+    """Tiles per split of the batch-invariant forward: one count for every number of rows, so
+    that a row's statistics are folded over the same tiles and merged over the same splits in
+    any batch. The count whose estimated run (``_run_estimate``) is the closest, at its worst,
+    to that of the tiles per split chosen per grid (``_forward_splits`` over one launch) over
+    ``INVARIANT_ROW_BLOCKS``. One launch over V = 151936 in 594 tiles on 132 multiprocessors:
+    18 tiles (33 splits), within 2% of the per-grid choice from 1K to 64K tokens; an fp32
+    head's parts forward, 128 of its 1187 tiles a launch: 8 tiles, within 3%, where the
+    count of one launch over all the tiles (36) would take 1.28x at 8K tokens and 4.6x at 1K
+    (a launch of 3 splits fills few multiprocessors)."""
+    def per_grid(rb: int) -> float:
+        n_rb = min(rb, launch_rb)
+        tiles = triton.cdiv(launch_tiles, _forward_splits(n_rb, launch_tiles, sms))
+        return _run_estimate(rb, num_vt, tiles, launch_tiles, launch_rb, sms)
+
+    refs = {rb: per_grid(rb) for rb in INVARIANT_ROW_BLOCKS}
     best, best_worst = 1, None
-    for s in range(1, num_vt + 1):
-        worst = max(cost(rb, s) / cost(rb, _forward_splits(rb, num_vt, sms))
-                    for rb in INVARIANT_ROW_BLOCKS)
+    for tiles in range(launch_tiles, 0, -1):  # ties: the fewest splits
+        worst = max(_run_estimate(rb, num_vt, tiles, launch_tiles, launch_rb, sms) / ref
+                    for rb, ref in refs.items())
         if best_worst is None or worst < best_worst:
-            best, best_worst = s, worst
+            best, best_worst = tiles, worst
     return best
 
 
-def invariant_tiles(V: int, cfg: LCEConfig, device: torch.device) -> int:
-    """Vocabulary tiles per forward split of the batch-invariant statistics of ``V`` local
-    columns: from ``V``, the tile config and the device only (``cfg.split``, or
-    ``_invariant_splits``' count when it is 0), never from the rows."""
-    num_vt = triton.cdiv(V, cfg.fwd_block_v)
-    return triton.cdiv(num_vt, cfg.split or _invariant_splits(num_vt, multiprocessors(device)))
+def invariant_tiles(e: torch.Tensor, c: torch.Tensor, cfg: LCEConfig) -> int:
+    """Vocabulary tiles per forward split of the batch-invariant statistics of hidden states
+    like ``e`` and classifier rows ``c`` (all local columns): from V, H, the dtypes, the tile
+    config and the device only (``cfg.split``, or ``_invariant_split_tiles``' count when it is
+    0), never from the rows. Where an fp32 head's parts forward runs, its launches hold at most
+    ``fwd_parts_bytes`` of each operand's parts, as two parts per fp32 operand in either
+    precision (the strategy, which does not know the call's, reads the same count)."""
+    num_vt = triton.cdiv(c.shape[0], cfg.fwd_block_v)
+    if cfg.split:
+        return triton.cdiv(num_vt, cfg.split)
+    launch_tiles, launch_rb = num_vt, max(INVARIANT_ROW_BLOCKS)
+    if _parts_device(e.device, dot_mode(e.dtype, c.dtype), cfg):
+        per_row, per_tile = parts_sizes(e.shape[-1], e.dtype, c.dtype, cfg)
+        launch_tiles = max(1, min(num_vt, cfg.fwd_parts_bytes // per_tile))
+        launch_rb = max(1, cfg.fwd_parts_bytes // per_row // cfg.fwd_block_n)
+    return _invariant_split_tiles(num_vt, multiprocessors(e.device), launch_tiles, launch_rb)
 
 
 def forward_split(N: int, V: int, cfg: LCEConfig, device: torch.device,
@@ -609,7 +641,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     k = 4 if logprob is None else 5
     mode = dot_mode(e.dtype, c.dtype, cfg.fp32_precision)
     if invariant and tiles_per_split is None:
-        tiles_per_split = invariant_tiles(V, cfg, e.device)
+        tiles_per_split = invariant_tiles(e, c, cfg)
     plan = _parts_plan(e, c, mode, cfg, room, invariant)
     if plan and tiles_per_split is None and not cfg.split:
         tiles_per_split = _parts_split_tiles(plan[0], plan[1], cfg, e.device)
@@ -673,12 +705,12 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
         c_parts = None
         for r0 in range(0, N, rows):
             r1 = min(N, r0 + rows)
-            ea, ea_lo = _descriptor_parts(e[r0:r1], se[r0:r1], BN, BH)
+            ea, ea_lo = _descriptor_parts(e[r0:r1], se[r0:r1], BN, BH, mode)
             for s0 in range(0, split, per_launch):
                 n = min(per_launch, split - s0)
                 v0, v1 = s0 * cols, min(V, (s0 + n) * cols)
                 if c_parts is None:  # (the previous launch's released first)
-                    c_parts = _descriptor_parts(c[v0:v1], sc[v0:v1], BV, BH)
+                    c_parts = _descriptor_parts(c[v0:v1], sc[v0:v1], BV, BH, mode)
                 launch(ea, c_parts[0], ea_lo, c_parts[1], s0, n, v0, r0 // BN,
                        triton.cdiv(r1 - r0, BN))
                 if not whole_c:
@@ -692,21 +724,29 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
     return torch.stack(merge_partial_stats(part, ordered=invariant))
 
 
-def _descriptor_parts(x: torch.Tensor, scales: torch.Tensor, block_l: int, block_h: int):
+def _descriptor_parts(x: torch.Tensor, scales: torch.Tensor, block_l: int, block_h: int,
+                      mode: str):
     """TMA descriptors of ``[block_l, block_h]`` blocks over the fp16 parts of ``x``
-    (``parts.fp16_parts``): ``hi`` and ``lo`` for an fp32 ``x``, ``hi`` twice for a 16-bit one
-    (the kernel's ``LO_E`` / ``LO_C`` tell them apart). The descriptors hold the parts alive."""
-    hi, lo = fp16_parts(x, scales, x.dtype == torch.float32)
+    (``parts.fp16_parts``): ``hi`` and ``lo`` for an fp32 ``x`` in a split mode, ``hi`` twice
+    otherwise (the kernel's ``LO_E`` / ``LO_C`` tell them apart). The descriptors hold the
+    parts alive."""
+    hi, lo = fp16_parts(x, scales, _with_lo(x.dtype, mode))
     d_hi = TensorDescriptor.from_tensor(hi, [block_l, block_h])
     return d_hi, (d_hi if lo is None else TensorDescriptor.from_tensor(lo, [block_l, block_h]))
 
 
-def parts_sizes(h: int, e_dtype: torch.dtype, c_dtype: torch.dtype, cfg: LCEConfig):
-    """``(per row of E, per vocabulary tile of C)``: the bytes of their fp16 parts
-    (``parts.fp16_parts``: two parts of an fp32 operand, one of a 16-bit one, rows padded)."""
+def _with_lo(dtype: torch.dtype, mode: str) -> bool:
+    """Whether an operand of ``dtype`` has a ``lo`` part in ``mode``: an fp32 one, split."""
+    return dtype == torch.float32 and mode != "h1"
+
+
+def parts_sizes(h: int, e_dtype: torch.dtype, c_dtype: torch.dtype, cfg: LCEConfig,
+                mode: str = "h3"):
+    """``(per row of E, per vocabulary tile of C)``: the bytes of their fp16 parts in ``mode``
+    (``parts.fp16_parts``: two parts of an fp32 operand split, one otherwise, rows padded)."""
     width = -(-h // 8) * 8
-    return (width * 2 * (2 if e_dtype == torch.float32 else 1),
-            cfg.fwd_block_v * width * 2 * (2 if c_dtype == torch.float32 else 1))
+    return (width * 2 * (2 if _with_lo(e_dtype, mode) else 1),
+            cfg.fwd_block_v * width * 2 * (2 if _with_lo(c_dtype, mode) else 1))
 
 
 def parts_bytes(n: int, h: int, v: int, e_dtype: torch.dtype, c_dtype: torch.dtype,
@@ -715,9 +755,10 @@ def parts_bytes(n: int, h: int, v: int, e_dtype: torch.dtype, c_dtype: torch.dty
     (0 where it does not run): ``fwd_parts_bytes`` of each operand's parts, less where the
     operand is smaller (the strategy leaves this much room in forward, ``strategy.py``)."""
     cfg = cfg.for_tiles(compute_dtype(e_dtype, c_dtype))
-    if not _parts_device(device, dot_mode(e_dtype, c_dtype, cfg.fp32_precision), cfg):
+    mode = dot_mode(e_dtype, c_dtype, cfg.fp32_precision)
+    if not _parts_device(device, mode, cfg):
         return 0
-    per_row, per_tile = parts_sizes(h, e_dtype, c_dtype, cfg)
+    per_row, per_tile = parts_sizes(h, e_dtype, c_dtype, cfg, mode)
     cap = cfg.fwd_parts_bytes
     return min(cap, n * per_row) + min(cap, triton.cdiv(v, cfg.fwd_block_v) * per_tile)
 
@@ -743,7 +784,7 @@ def _parts_plan(e: torch.Tensor, c: torch.Tensor, mode: str, cfg: LCEConfig,
         return None
     (N, H), V = e.shape, c.shape[0]
     BN = cfg.fwd_block_n
-    per_row, per_tile = parts_sizes(H, e.dtype, c.dtype, cfg)
+    per_row, per_tile = parts_sizes(H, e.dtype, c.dtype, cfg, mode)
     cap = cfg.fwd_parts_bytes
     rows = min(triton.cdiv(N, BN) * BN, cap // per_row // BN * BN)
     if room is not None and not invariant:

@@ -46,7 +46,7 @@ def forward_columns(backend, e2, c, bias, t, v_offset: int, softcap, need_sumx: 
     saved = backend.saved_tiles(e2.shape[0], vs, tiles, e2.device, cfg)
     split = {}
     if invariant and vs < v:  # splits of all of c, their statistics unmerged
-        split = dict(tiles_per_split=backend.invariant_tiles(v, cfg.for_tiles(tiles), e2.device),
+        split = dict(tiles_per_split=backend.invariant_tiles(e2, c, cfg.for_tiles(tiles)),
                      parts=True)
     stats = backend.forward_stats(e2, c[:vs], None if bias is None else bias[:vs], t, v_offset,
                                   softcap, need_sumx, config=cfg, saved=saved, logprob=logprob,

@@ -184,7 +184,7 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         # (their forward is faster by more than the recompute of the columns they displace),
         # unless that room leaves no column saved
         parts = backend.parts_bytes(n, h, v, e.dtype, c.dtype, e.device, cfg)
-        per_split = backend.invariant_tiles(v, cfg, e.device) if invariant else 1
+        per_split = backend.invariant_tiles(e, c, cfg) if invariant else 1
         for held in dict.fromkeys((max(recompute, parts), recompute)):
             tiles = int((budget - held) // per_tile) // per_split * per_split  # whole splits
             if tiles >= 1 and (not invariant or tiles * tile < v):
