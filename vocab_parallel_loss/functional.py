@@ -128,7 +128,9 @@ def linear_cross_entropy(
     fp32_precision : the products where ``c`` is fp32. ``"fp32"`` (fp32-class error, also under
         autocast): the Triton kernels split the operands into parts the tensor cores multiply
         exactly (``kernels/linear/common.py``), the PyTorch backend runs fp32 GEMMs with TF32
-        off; ``"tf32"``: TF32 products (10-bit mantissas), faster. No effect on 16-bit ``c``.
+        off; ``"tf32"``: TF32-class products, faster (the Triton kernels: one fp16 product of
+        both operands rounded to TF32's 11 significand bits; PyTorch: TF32 GEMMs on CUDA, fp32
+        on the CPU). No effect on 16-bit ``c``.
     loss_mask : with ``reduction="none"``, the weights the caller multiplies the per-token
         losses by (Megatron's loss mask; ``targets``' shape, any real dtype, not
         differentiated). The loss returned is unchanged. Where the saved logits do not fit the

@@ -88,6 +88,6 @@ def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.Ar
         choices=("fp32", "tf32"),
         default="fp32",
         help="Products of the fp32 output weight in the fused loss: fp32 (fp32-class error) or "
-             "tf32 (faster, 10-bit mantissas).",
+             "tf32 (faster, TF32-class error: 11 significand bits).",
     )
     return parser
