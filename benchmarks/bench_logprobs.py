@@ -20,7 +20,9 @@ fp32 reference computed from fp32 logits of the same bf16 inputs.
 
 ``--fp32-head`` measures the fp32-head table instead (``harness/fp32_head.py``): fp32 weights
 with fp32 or bf16 hidden states, ours at each ``fp32_precision`` beside PyTorch in fp32 with
-TF32 off and on and verl fed fp32 inputs, forward only and forward + backward.
+TF32 off and on and verl fed fp32 inputs, forward only and forward + backward; and the fp32-head
+loss (``harness/fp32_head_loss.py``: ``linear_cross_entropy``, mean and per token, beside
+PyTorch's cross entropy in fp32), forward + backward.
 
 ``--smoke-cpu`` runs tiny shapes on the CPU (plumbing only; the Triton kernels need
 TRITON_INTERPRET=1 there).
@@ -36,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import env, fp32_head  # noqa: E402
+from harness import env, fp32_head, fp32_head_loss  # noqa: E402
 from harness.errors import logprobs_reference, max_abs_diff, rel_max_diff  # noqa: E402
 from harness.peers.logprobs import (  # noqa: E402
     GiB, INVARIANT, TEMPERATURE, load_liger, load_verl, ours, ours_at, ours_invariant,
@@ -186,11 +188,13 @@ def run_fp32_head(dev, args):
     rows = []
     for v in args.vocab:
         rows += fp32_head.run_vocab(dev, v, args, verl)
+        rows += fp32_head_loss.run_vocab(dev, v, args, *fp32_head.make_inputs(dev, v, args)[:3])
     meta = dict(env.environment(dev), n=args.n, hidden=args.hidden, vocab=args.vocab)
     report = {"meta": meta, "rows": rows}
+    text = "\n".join([fp32_head.markdown(report)]
+                     + [line for v in args.vocab for line in fp32_head_loss.markdown(rows, v)])
     out = Path(args.out)
-    for path in write_report(out.with_name(out.name + "_fp32_head"), report,
-                             fp32_head.markdown(report)):
+    for path in write_report(out.with_name(out.name + "_fp32_head"), report, text):
         env.log(f"wrote {path}")
 
 

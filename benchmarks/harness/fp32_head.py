@@ -11,6 +11,7 @@ against fp64 on the first ``REF_ROWS`` tokens of the hidden states as given.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Callable, List, Tuple
 
@@ -48,23 +49,35 @@ def torch_rows(tf32: bool, rows: int = 1024) -> Callable:
         return ls.gather(-1, t[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
 
     def run(h, w, t):
-        saved = torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-        try:
-            lps, ents = [], []
-            for r0 in range(0, h.shape[0], rows):
-                sl = slice(r0, r0 + rows)
-                if torch.is_grad_enabled():
-                    lp, ent = torch.utils.checkpoint.checkpoint(chunk, h[sl], w, t[sl],
-                                                                use_reentrant=False)
-                else:
-                    lp, ent = chunk(h[sl], w, t[sl])
-                lps.append(lp)
-                ents.append(ent)
+        with matmul_tf32(tf32):
+            lps, ents = zip(*row_chunks(chunk, h, w, t, rows))
             return torch.cat(lps), torch.cat(ents)
-        finally:
-            torch.backends.cuda.matmul.allow_tf32 = saved
     return run
+
+
+@contextlib.contextmanager
+def matmul_tf32(on: bool):
+    """PyTorch's CUDA matmuls in TF32 (``on``) or IEEE fp32 within the block."""
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = on
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def row_chunks(chunk: Callable, h, w, t, rows: int) -> list:
+    """``chunk(h, w, t)`` of each ``rows`` rows, recomputed in backward (checkpointed) when
+    gradients are on."""
+    outs = []
+    for r0 in range(0, h.shape[0], rows):
+        sl = slice(r0, r0 + rows)
+        if torch.is_grad_enabled():
+            outs.append(torch.utils.checkpoint.checkpoint(chunk, h[sl], w, t[sl],
+                                                          use_reentrant=False))
+        else:
+            outs.append(chunk(h[sl], w, t[sl]))
+    return outs
 
 
 def implementations(verl=None) -> List[Tuple[str, str, str, Callable]]:
@@ -127,7 +140,8 @@ def measure(dev, name, hd, wd, fn, inputs, refs, backward: bool, args) -> dict:
     return row
 
 
-def run_vocab(dev, v, args, verl=None) -> List[dict]:
+def make_inputs(dev, v: int, args):
+    """fp32 hidden states and weight, targets and the two outputs' upstream gradients."""
     n, hdim = args.n, args.hidden
     g = torch.Generator(device="cpu").manual_seed(0)
     h32 = (torch.randn(n, hdim, generator=g) * 0.5).to(dev.torch)
@@ -135,6 +149,11 @@ def run_vocab(dev, v, args, verl=None) -> List[dict]:
     t = torch.randint(0, v, (n,), generator=g).to(dev.torch)
     g_lp = torch.randn(n, generator=g).to(dev.torch)
     g_ent = torch.randn(n, generator=g).to(dev.torch)
+    return h32, w32, t, g_lp, g_ent
+
+
+def run_vocab(dev, v, args, verl=None) -> List[dict]:
+    h32, w32, t, g_lp, g_ent = make_inputs(dev, v, args)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}
     inputs, refs = {}, {}
     rows = []
