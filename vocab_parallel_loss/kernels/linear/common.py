@@ -105,8 +105,9 @@ def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
     """One K step of the ``"h3"`` / ``"h2"`` / ``"h1"`` products: ``e`` and ``c`` the fp16
     ``hi`` parts (or the one fp16 part of a 16-bit operand), ``e_lo`` / ``c_lo`` the ``lo``
     parts where ``LO_E`` / ``LO_C`` (else unread; neither: ``"h1"``'s one product); split
-    products smallest first into a fresh step accumulator (``dot``). ``dot`` calls it on parts split in registers, the parts forward on parts split
-    in memory (``parts.py``): one order of products for both."""
+    products smallest first into a fresh step accumulator (``dot``). ``dot`` calls it on parts
+    split in registers, the parts forward on parts split in memory (``parts.py``): one order of
+    products for both."""
     if LO_E and LO_C:
         if UPCAST:
             acc += (_exact(e_lo, c) + _exact(e, c_lo) + _exact(e, c)).to(tl.float32)
@@ -135,11 +136,11 @@ def parts_dot(e, e_lo, c, c_lo, acc, LO_E: tl.constexpr, LO_C: tl.constexpr,
 def dot(a, b, acc, DOT: tl.constexpr, UPCAST: tl.constexpr, sa, sb):
     """``acc + a @ b`` in fp32 for the mode ``DOT`` (``dot_mode``); ``sa`` per row of ``a`` and
     ``sb`` per column of ``b`` are the split scales (``load_scales``), and the accumulator of
-    a scaled mode (``SCALED``) is of the scaled operands (``unscale`` it once after the last step). Each K
-    step's split products go into a fresh accumulator, smallest first, added to ``acc`` in
-    fp32: the tensor cores truncate each sum they form to the largest term's precision, so
-    summing into ``acc`` itself would drop part of every small product and bias the result by
-    one unit of ``acc`` per product (1e-4 relative at H = 4096)."""
+    a scaled mode (``SCALED``) is of the scaled operands (``unscale`` it once after the last
+    step). Each K step's split products go into a fresh accumulator, smallest first, added to
+    ``acc`` in fp32: the tensor cores truncate each sum they form to the largest term's
+    precision, so summing into ``acc`` itself would drop part of every small product and bias
+    the result by one unit of ``acc`` per product (1e-4 relative at H = 4096)."""
     if DOT == "h3":
         a_hi, a_lo = _fp16_parts(a.to(tl.float32) * sa[:, None])
         b_hi, b_lo = _fp16_parts(b.to(tl.float32) * sb[None, :])
