@@ -148,6 +148,8 @@ def main():
     ap.add_argument("--smoke-cpu", action="store_true")
     ap.add_argument("--fp32-head", action="store_true",
                     help="the fp32-head table (harness/fp32_head.py) instead")
+    ap.add_argument("--fp32-head-tables", nargs="+", choices=("logprobs", "loss"),
+                    default=["logprobs", "loss"], help="which fp32-head tables to measure")
     args = ap.parse_args()
     if args.smoke_cpu:
         args.n, args.hidden, args.vocab = 37, 16, [53]
@@ -187,8 +189,11 @@ def run_fp32_head(dev, args):
             env.log(f"verl not loaded: {type(e).__name__}: {e}")
     rows = []
     for v in args.vocab:
-        rows += fp32_head.run_vocab(dev, v, args, verl)
-        rows += fp32_head_loss.run_vocab(dev, v, args, *fp32_head.make_inputs(dev, v, args)[:3])
+        if "logprobs" in args.fp32_head_tables:
+            rows += fp32_head.run_vocab(dev, v, args, verl)
+        if "loss" in args.fp32_head_tables:
+            rows += fp32_head_loss.run_vocab(dev, v, args,
+                                             *fp32_head.make_inputs(dev, v, args)[:3])
     meta = dict(env.environment(dev), n=args.n, hidden=args.hidden, vocab=args.vocab)
     report = {"meta": meta, "rows": rows}
     text = "\n".join([fp32_head.markdown(report)]

@@ -140,6 +140,11 @@ def measure(dev, name, hd, wd, fn, inputs, refs, backward: bool, args) -> dict:
     return row
 
 
+def allocated(dev) -> str:
+    """What the process holds on the GPU now (after a row: nothing of the row should stay)."""
+    return f", {torch.cuda.memory_allocated(dev.torch) / GiB:.2f} GiB held" if dev.cuda else ""
+
+
 def make_inputs(dev, v: int, args):
     """fp32 hidden states and weight, targets and the two outputs' upstream gradients."""
     n, hdim = args.n, args.hidden
@@ -168,7 +173,7 @@ def run_vocab(dev, v, args, verl=None) -> List[dict]:
             r = measure(dev, name, hd, wd, fn, inputs, refs, pass_backward, args)
             r["vocab"] = v
             rows.append(r)
-            env.log(f"  {r}")
+            env.log(f"  {r}{allocated(dev)}")
     return rows
 
 

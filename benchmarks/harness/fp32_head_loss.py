@@ -12,7 +12,7 @@ from typing import Callable, List, Tuple
 import torch
 
 from . import env
-from .fp32_head import REF_ROWS, SMALL_BUDGET, matmul_tf32, row_chunks
+from .fp32_head import REF_ROWS, SMALL_BUDGET, allocated, matmul_tf32, row_chunks
 from .peers.logprobs import GiB
 from .report import fmt, table
 
@@ -59,9 +59,9 @@ def implementations() -> List[Tuple[str, str, str, str, Callable]]:
 
 def reference(h, w, t):
     """fp64 per-token losses of the first ``REF_ROWS`` tokens and the mean over all of them."""
-    per = torch.cat([torch.nn.functional.cross_entropy(h[r0:r0 + REF_ROWS].double()
-                                                       @ w.double().t(), t[r0:r0 + REF_ROWS],
-                                                       reduction="none")
+    w64 = w.double()
+    per = torch.cat([torch.nn.functional.cross_entropy(h[r0:r0 + REF_ROWS].double() @ w64.t(),
+                                                       t[r0:r0 + REF_ROWS], reduction="none")
                      for r0 in range(0, h.shape[0], REF_ROWS)])
     return per[:REF_ROWS], per.mean()
 
@@ -111,7 +111,7 @@ def run_vocab(dev, v, args, h32, w32, t) -> List[dict]:
         r = measure(dev, name, hd, wd, red, fn, inputs, refs, args)
         r["vocab"] = v
         rows.append(r)
-        env.log(f"  {r}")
+        env.log(f"  {r}{allocated(dev)}")
     return rows
 
 
