@@ -111,22 +111,33 @@ def reference(h, w, t):
 def measure(dev, name, hd, wd, fn, inputs, refs, backward: bool, args) -> dict:
     row = {"impl": name, "hidden": hd, "weight": wd, "pass": "fwd+bwd" if backward else "fwd"}
     h, w, t, g_lp, g_ent = inputs[(hd, wd)]
+
+    def step():
+        with torch.set_grad_enabled(backward):
+            lp, ent = fn(h, w, t)
+            if backward:
+                torch.autograd.backward([lp, ent], [g_lp, g_ent])
+        return lp, ent
+
+    def errors(out):
+        (lp, ent), (ref_lp, ref_ent) = out, refs[hd]
+        n = ref_lp.shape[0]
+        return {"err_logp": (lp[:n].double() - ref_lp).abs().max().item(),
+                "err_entropy": (ent[:n].double() - ref_ent).abs().max().item()}
+    return measure_row(dev, row, h, w, step, errors, args)
+
+
+def measure_row(dev, row: dict, h, w, step: Callable, errors: Callable, args) -> dict:
+    """``row`` with the extra memory of one ``step()`` (peak less the gradients of ``h`` and
+    ``w`` it leaves), ``errors(step's output)`` and the median time of ``step``; a failing row
+    gets its error instead, not raised."""
     try:
-        def step():
-            with torch.set_grad_enabled(backward):
-                lp, ent = fn(h, w, t)
-                if backward:
-                    torch.autograd.backward([lp, ent], [g_lp, g_ent])
-            return lp, ent
         h.grad = w.grad = None
-        (lp, ent), peak = dev.peak_during(step)
+        out, peak = dev.peak_during(step)
         grads = sum(x.grad.numel() * x.grad.element_size() for x in (h, w) if x.grad is not None)
         row["extra_gib"] = None if peak is None else (peak - grads) / GiB
-        ref_lp, ref_ent = refs[hd]
-        n = ref_lp.shape[0]
-        row["err_logp"] = (lp[:n].double() - ref_lp).abs().max().item()
-        row["err_entropy"] = (ent[:n].double() - ref_ent).abs().max().item()
-        del lp, ent
+        row.update(errors(out))
+        del out
 
         def timed():
             h.grad = w.grad = None

@@ -6,14 +6,13 @@ per-token loss's largest absolute error on the first ``fp32_head.REF_ROWS`` toke
 
 from __future__ import annotations
 
-import traceback
 from typing import Callable, List, Tuple
 
 import torch
 
 from . import env
-from .fp32_head import REF_ROWS, SMALL_BUDGET, allocated, matmul_tf32, row_chunks
-from .peers.logprobs import GiB
+from .fp32_head import (REF_ROWS, SMALL_BUDGET, allocated, matmul_tf32, measure_row,
+                         row_chunks)
 from .report import fmt, table
 
 #: the markdown's and the report rows' ``pass`` of these rows
@@ -69,31 +68,17 @@ def reference(h, w, t):
 def measure(dev, name, hd, wd, red, fn, inputs, refs, args) -> dict:
     row = {"impl": name, "hidden": hd, "weight": wd, "reduction": red, "pass": PASS}
     h, w, t, g_tok = inputs[(hd, wd)]
-    try:
-        def step():
-            loss = fn(h, w, t)
-            loss.backward(None if red == "mean" else g_tok)
-            return loss
-        h.grad = w.grad = None
-        loss, peak = dev.peak_during(step)
-        grads = sum(x.grad.numel() * x.grad.element_size() for x in (h, w) if x.grad is not None)
-        row["extra_gib"] = None if peak is None else (peak - grads) / GiB
-        per, mean = refs[hd]
-        got = loss.detach().double()
-        row["err_loss"] = ((got - mean).abs() if red == "mean"
-                           else (got[:per.shape[0]] - per).abs().max()).item()
-        del loss
 
-        def timed():
-            h.grad = w.grad = None
-            step()
-        row["ms"] = dev.bench(timed, args.warmup, args.rep)
-    except Exception as e:  # noqa: BLE001 - a failing row is reported, not fatal
-        row["error"] = f"{type(e).__name__}: {e}"[:200]
-        env.log(traceback.format_exc(limit=3))
-    h.grad = w.grad = None
-    dev.empty_cache()
-    return row
+    def step():
+        loss = fn(h, w, t)
+        loss.backward(None if red == "mean" else g_tok)
+        return loss
+
+    def errors(loss):
+        (per, mean), got = refs[hd], loss.detach().double()
+        err = (got - mean).abs() if red == "mean" else (got[:per.shape[0]] - per).abs().max()
+        return {"err_loss": err.item()}
+    return measure_row(dev, row, h, w, step, errors, args)
 
 
 def run_vocab(dev, v, args, h32, w32, t) -> List[dict]:
