@@ -101,6 +101,7 @@ def implementations(verl=None) -> List[Tuple[str, str, str, Callable]]:
     return rows
 
 
+@torch.no_grad()  # the inputs require grad: a graph would keep the fp64 copies alive
 def reference(h, w, t):
     """fp64 log-probs and entropy of the first ``REF_ROWS`` tokens."""
     z = (h[:REF_ROWS].double() @ w.double().t()) / TEMPERATURE
