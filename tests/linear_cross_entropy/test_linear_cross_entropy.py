@@ -594,6 +594,29 @@ def test_strategy_follows_memory_budget(monkeypatch):
             linear_cross_entropy(e, c, t, memory_budget=bad)
 
 
+def test_fp32_tiles_take_longer_gradient_in_forward_chunks():
+    """The GPU config's rows per chunk of the gradients in forward: fp32 tiles (an fp32 head)
+    need at least ``wide_gif_min_blocks`` row blocks, 16-bit ones ``gif_min_blocks``; below, the
+    strategy saves columns instead (0 rows)."""
+    if K is None:
+        pytest.skip("needs triton")
+    n, v = 8192, 151936
+    base = KC.LCEConfig()
+    wide = base.for_tiles(torch.float32)
+    assert base.for_tiles(torch.bfloat16) == base
+    block = base.fwd_block_n
+    for cfg, size in ((base, 2), (wide, 4)):
+        least = cfg.gif_min_blocks * block
+        per_row = K.saved_bytes(1, v, size, cfg)
+        assert K.gif_chunk_rows(n, v, size, least * per_row, cfg) >= least
+        assert K.gif_chunk_rows(n, v, size, (least - 1) * per_row, cfg) == 0
+        # a batch shorter than the floor runs in one chunk when it fits whole
+        assert K.gif_chunk_rows(least // 2, v, size, least * per_row, cfg) == least // 2
+    assert wide.gif_min_blocks > base.gif_min_blocks
+    mid = (wide.gif_min_blocks * block - 1) * K.saved_bytes(1, v, 4, wide)
+    assert K.gif_chunk_rows(n, v, 2, mid, base) > 0 and K.gif_chunk_rows(n, v, 4, mid, wide) == 0
+
+
 def _one_saved_tile_budget(n, h, v, size):
     """The budget that saves one tile of the logits and recomputes the rest."""
     return one_saved_tile_budget(K, n, h, v, size, K.INTERPRET_CONFIG)

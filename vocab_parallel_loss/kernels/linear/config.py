@@ -71,6 +71,8 @@ class LCEConfig:
     matmul: str = "torch"
     strategy: str = "auto"
     gif_rows: int = 4096
+    gif_min_blocks: int = 4  # fewer row blocks per chunk: dC's fp32 read-modify-write per chunk
+    # costs more than the recomputation the chunk saves
     row_block: int = 2048
     row_warps: int = 8
     fwd_desc: bool = False
@@ -78,6 +80,8 @@ class LCEConfig:
     fwd_flat: bool = False
     wide_block_h: int = 64  # fp32 tiles (``for_tiles``): the H step, and the Triton GEMM's K step
     wide_block_v: int = 128  # fp32 tiles: the vocabulary tile (split products spill at 256 columns)
+    wide_gif_min_blocks: int = 16  # fp32 tiles: the split products' dC GEMM over a chunk's
+    # rows needs a longer reduction to pay (below 2048 rows the saved columns ran faster)
     wide_mm_stages: int = 3  # fp32 tiles: the Triton GEMM's stages (four of 128 x 64 fp32 tiles of
     # both operands, 256 KB, exceed the H100's and H200's 227 KB of shared memory)
     fwd_parts: bool = True
@@ -95,14 +99,16 @@ class LCEConfig:
         fp32 head) take H steps of ``wide_block_h`` and vocabulary tiles of at most
         ``wide_block_v`` columns (and the Triton GEMM, ``gemm._mm``, at most ``wide_mm_stages``
         stages over fp32 operands), so that the pipeline's fp32 operand tiles fit in shared
-        memory and the split products' accumulator fits in registers."""
+        memory and the split products' accumulator fits in registers; and chunks of the
+        gradients in forward of at least ``wide_gif_min_blocks`` row blocks."""
         if dtype != torch.float32:
             return self
         return self.replace(
             fwd_block_h=min(self.fwd_block_h, self.wide_block_h),
             bwd_block_h=min(self.bwd_block_h, self.wide_block_h),
             fwd_block_v=min(self.fwd_block_v, self.wide_block_v),
-            bwd_block_v=min(self.bwd_block_v, self.wide_block_v))
+            bwd_block_v=min(self.bwd_block_v, self.wide_block_v),
+            gif_min_blocks=max(self.gif_min_blocks, self.wide_gif_min_blocks))
 
 
 # TMA descriptors and the flat forward loop: a faster forward and step (docs/design.md, "Hopper");

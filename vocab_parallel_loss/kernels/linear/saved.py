@@ -149,12 +149,13 @@ def saved_dz_inplace(saved: SavedTiles, targets: torch.Tensor, v_offset: int,
 def gif_chunk_rows(n: int, v: int, element_size: int, room: float, cfg: LCEConfig) -> int:
     """Rows per chunk of the gradients formed in forward when ``room`` bytes are left for one
     chunk's saved tiles: at most ``cfg.gif_rows``, chunks of equal size in whole row blocks; 0
-    when fewer than four row blocks (or ``cfg.gif_rows``) fit: the fp32 dC's read-modify-write
-    per chunk would then cost more than the recomputation it saves."""
+    when fewer than ``cfg.gif_min_blocks`` row blocks (or ``cfg.gif_rows``, or all ``n``) fit:
+    smaller chunks cost more in dC's per-chunk GEMM and fp32 read-modify-write than the
+    recomputation they save (``LCEConfig.for_tiles`` asks more of fp32 tiles)."""
     per_row = saved_bytes(1, v, element_size, cfg)
     fit = min(cfg.gif_rows, int(room // per_row)) if room > 0 else 0
     block = cfg.fwd_block_n
-    if fit < min(n, cfg.gif_rows, 4 * block):
+    if fit < min(n, cfg.gif_rows, cfg.gif_min_blocks * block):
         return 0
     if fit >= n:
         return max(n, 1)
