@@ -58,6 +58,16 @@ def make_ours_strategy(strategy):
     return fn
 
 
+def make_ours_logits():
+    """The logits path of a Megatron model with this package's loss: cuBLAS's bf16 logits, then
+    ``cross_entropy`` over them (what the fused linear loss replaces)."""
+    from vocab_parallel_loss import cross_entropy
+
+    def fn(e, c, t, red):
+        return cross_entropy(e @ c.t(), t, reduction=red), (e, c)
+    return fn
+
+
 def make_torch():
     def fn(e, c, t, red):
         return F.cross_entropy((e @ c.t()).float(), t, reduction=red), (e, c)
@@ -126,6 +136,7 @@ PEERS = {
     "ours_recompute": lambda: make_ours_strategy("recompute"),
     "ours_torch_impl": lambda: make_ours("torch"),
     "ours_main_grad": lambda: make_ours(main_grad=True),
+    "ours_logits": make_ours_logits,
     "torch": make_torch,
     "cce": make_cce,
     "liger": make_liger,
