@@ -99,17 +99,20 @@ def test_bench_linear_smoke_cpu_writes_json_and_markdown(tmp_path):
     bench = _load("bench_linear")
     assert bench.parse_args(["--hidden", "8"]).hidden == 8  # not --h: the CUTLASS DSL eats it
     report = bench.main(["--smoke-cpu", "--n", "32", "--hidden", "32", "--vocab", "301",
-                         "--impls", "ours", "ours@0", "torch", "ours_main_grad@0.001",
+                         "--impls", "ours", "ours@0", "torch", "ours_main_grad@0.001", "ours_logits",
                          "--rounds", "2", "--out", str(tmp_path)])
     files = {p.suffix: p for p in tmp_path.iterdir()}
     assert {".json", ".md"} <= set(files), files
     rows = json.loads(files[".json"].read_text())["rows"]
     assert {(r["impl"], r["reduction"]) for r in rows} == {
-        (i, red) for i in ("ours", "ours@0", "torch", "ours_main_grad@0.001")
+        (i, red) for i in ("ours", "ours@0", "torch", "ours_main_grad@0.001", "ours_logits")
         for red in ("mean", "none", "masked")}
     assert all(r["ms"] > 0 and r["ms_alone"] > 0 for r in rows), rows
-    # ours against the fp32 reference; torch rounds its bf16 logits before the loss
-    assert all(r["max_loss_err"] < 1e-4 for r in rows if r["impl"].startswith("ours")), rows
+    # ours against the fp32 reference; torch and ours_logits round their bf16 logits before the loss
+    assert all(r["max_loss_err"] < 1e-4 for r in rows
+               if r["impl"].startswith("ours") and r["impl"] != "ours_logits"), rows
+    err = {(r["impl"], r["reduction"]): r["max_loss_err"] for r in rows}
+    assert all(abs(err["ours_logits", red] - err["torch", red]) < 1e-5 for red in ("mean", "none", "masked")), err
     assert "Pareto front" in files[".md"].read_text()
     assert report["meta"]["device"] == "cpu-smoke" and report["meta"]["source_hash"]
     assert "| 301 | mean | ours |" in files[".md"].read_text()
