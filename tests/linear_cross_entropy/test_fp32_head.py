@@ -225,6 +225,29 @@ def test_an_fp32_head_far_from_fp16_range(plan, hidden):
     assert (grads[0].double() - ref_grads[0]).abs().max() <= tol * ref_grads[0].abs().max()
 
 
+@pytest.mark.parametrize("plan,hidden", [(p, h) for p in PLANS if p in ("saved", "recompute", "torch")
+                                         for h in (torch.bfloat16, torch.float32)])
+def test_an_outlier_channel_keeps_fp32_class_error(plan, hidden):
+    """One hidden channel 2^16 times the others (past the massive activations of LLMs, ~2^13),
+    its weights 2^-16 times theirs, so its products weigh as much as the rest: an element 2^-16
+    of its row's largest still keeps the 22 bits of its two fp16 parts (smaller ones lose a bit
+    per halving, which is the documented limit)."""
+    e, c, b, t = _inputs(hidden=torch.float32, seed=7)
+    e[:, 0] = 2.0**16
+    c[:, 0] *= 2.0**-16
+    e = e.to(hidden)
+    impl, budget = plan_call(plan, e, c)
+    leaves = [x.clone().requires_grad_() for x in (e, c, b)]
+    with plan_config(plan):
+        loss = linear_cross_entropy(*leaves[:2], t, leaves[2], reduction="none", impl=impl,
+                                    memory_budget=budget)
+        grads = torch.autograd.grad(loss, leaves[1:], torch.ones_like(loss))
+    ref, ref_grads = reference_grads(e, c, t, b, reduction="none")
+    assert (loss.double() - ref).abs().max() < ABS
+    for got, want in zip(grads, ref_grads[1:]):
+        assert (got.double() - want).abs().max() <= ABS * want.abs().max()
+
+
 @pytest.mark.parametrize("impl", ["triton", "torch"] if "saved" in PLANS else ["torch"])
 @pytest.mark.parametrize("hidden", [torch.bfloat16, torch.float32])
 def test_autocast_keeps_the_fp32_head(impl, hidden):

@@ -2,8 +2,9 @@
 products into fp16's range (``common.dot``'s ``"h3"`` and ``"h2"``).
 
 A row's largest magnitude times ``2^k`` lands in [2^14, 2^15), below fp16's 65504: every element
-of the row then has fp16's range, those within 2^-28 of the largest its full precision, and the
-rest stay below 2^-39 of the largest in absolute error. Powers of two scale exactly, so the
+of the row then has fp16's range; those within 2^-16 of the largest keep the 22 bits of two fp16
+parts, smaller ones lose a bit per halving (the low part goes subnormal), their absolute error
+staying below 2^-39 of the largest. Powers of two scale exactly, so the
 products are those of the unscaled operands, and a row's scale depends on that row alone.
 
 One pass over the operand along any strides, with no temporary: PyTorch's reductions over a
