@@ -105,7 +105,8 @@ def linear_cross_entropy(
         the sequence dim (``shift=1``: causal LM with unshifted labels): dim -2 of ``e`` (dim -1
         of ``targets``, as in ``[b, s, h]``), or with ``sequence_parallel=True`` dim 0 (the
         gathered dim, as in Megatron's ``[s, b, h]``).
-    return_lse : also return the per-token fp32 log-sum-exp (differentiable).
+    return_lse : also return the per-token fp32 log-sum-exp (differentiable), that of ignored
+        tokens too (``cross_entropy``'s is 0 there and not differentiable).
     tp_group : tensor-parallel process group (None: no parallelism).
     label_smoothing : PyTorch's convention, over the global vocabulary.
     z_loss : adds ``z_loss * lse**2`` per (non-ignored) token.
