@@ -191,16 +191,24 @@ def run_vocab(dev, v, args, verl=None) -> List[dict]:
 
 def markdown(report) -> str:
     m = report["meta"]
-    lines = [f"# Token log-probs and entropy with an fp32 LM head, {m['device']}", "",
+    logprobs = any(r["pass"] in ("fwd", "fwd+bwd") for r in report["rows"])
+    what = "Token log-probs and entropy" if logprobs else "The loss"
+    lines = [f"# {what} with an fp32 LM head, {m['device']}", "",
              f"N={m['n']}, H={m['hidden']}, temperature {TEMPERATURE}; forward only (no grad) and "
              f"forward + backward of both outputs; torch {m['torch']}, triton {m['triton']}; "
+             f"commit {m['commit']}." if logprobs else
+             f"N={m['n']}, H={m['hidden']}; torch {m['torch']}, triton {m['triton']}; "
              f"commit {m['commit']}.",
-             "Memory: peak above the inputs, less the gradients left behind. Errors: largest "
-             f"absolute error of log-prob and entropy on the first {REF_ROWS} tokens against "
-             "fp64 of the same inputs (the bf16 weight row: of its own bf16 weight).", ""]
+             "Memory: peak above the inputs, less the gradients left behind." + (
+                 " Errors: largest "
+                 f"absolute error of log-prob and entropy on the first {REF_ROWS} tokens against "
+                 "fp64 of the same inputs (the bf16 weight row: of its own bf16 weight)."
+                 if logprobs else ""), ""]
     for v in m["vocab"]:
         for p in ("fwd", "fwd+bwd"):
             rows = [r for r in report["rows"] if r["vocab"] == v and r["pass"] == p]
+            if not rows:  # the loss table alone
+                continue
             base = next((r["ms"] for r in rows if r["impl"] == "torch fp32 rows, TF32 off"
                          and "ms" in r), None)
             lines += [f"## V = {v}, {p}", ""]

@@ -53,3 +53,18 @@ def test_table_fmt_front_and_reason():
     assert report.slug("NVIDIA H200 (x)") == "nvidia-h200-x"
     assert report.reason(ValueError("a\nb"), first_line=True) == "ValueError: a"
     assert report.reason(KeyError("k")) == "KeyError: 'k'"
+
+
+def test_fp32_head_markdown_of_the_loss_table_alone():
+    """``--fp32-head-tables loss``: no empty log-prob sections, and a title that says what ran."""
+    from harness import fp32_head
+
+    meta = dict(device="cpu", n=8, hidden=4, vocab=[11], torch="t", triton="tr", commit="c")
+    loss_row = dict(impl="ours", hidden="fp32", weight="fp32", reduction="mean", vocab=11,
+                    ms=1.0, extra_gib=0.1, err_loss=1e-8, **{"pass": "loss fwd+bwd"})
+    text = fp32_head.markdown({"meta": meta, "rows": [loss_row]})
+    assert text.startswith("# The loss with an fp32 LM head") and "## V = 11, fwd" not in text
+    lp_row = dict(loss_row, err_logp=1e-7, err_entropy=1e-7, **{"pass": "fwd"})
+    text = fp32_head.markdown({"meta": meta, "rows": [lp_row, loss_row]})
+    assert text.startswith("# Token log-probs") and "## V = 11, fwd\n" in text
+    assert "## V = 11, fwd+bwd" not in text
