@@ -17,7 +17,7 @@ Bytes, bf16, TP = 1, N = sequence x micro-batch tokens, V the vocabulary, H the 
   above native), ours over logits 4NV (the bf16 logits kept for backward and the bf16 gradient;
   2NV with ``--vocab-parallel-loss-inplace-backward``), ours fused linear no N x V term beyond
   what its strategy holds under the budget (``vocab_parallel_loss.ops.fused_linear.strategy``,
-  the real choice, run here on shapes only).
+  the real choice, run here on shapes only) and the bf16 gradients it returns, 2(V + N)H.
 
 The activation count is the standard one (Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models", 2022): 34 N H bytes a layer without the attention
@@ -141,11 +141,20 @@ def fused_linear_strategy(m: Shape, budget_gib: Optional[float]) -> dict:
     return dict(strategy=s.name, detail=what, bytes=held)
 
 
+def returned_gradient_bytes(m: Shape) -> int:
+    """The bf16 gradients of the output layer's weight (2VH) and of its input (2NH) that the
+    fused linear loss returns. It forms them at the loss (in forward, or at the start of
+    backward), while every activation is still held; the logits paths form them in the output
+    layer's backward, after their N x V buffers are freed, so they add nothing to those peaks."""
+    return 2 * (m.vocab + m.tokens) * m.hidden
+
+
 def loss_bytes(run: str, m: Shape, budget_gib: Optional[float] = None) -> int:
     """The loss path's bytes at the step's peak beyond what every path holds (module docstring).
-    ``run``: a key of ``LOGITS_NV_BYTES`` or ``"fused_linear"``."""
+    ``run``: a key of ``LOGITS_NV_BYTES`` or ``"fused_linear"`` (what its strategy holds, plus
+    the gradients it returns)."""
     if run == "fused_linear":
-        return fused_linear_strategy(m, budget_gib)["bytes"]
+        return fused_linear_strategy(m, budget_gib)["bytes"] + returned_gradient_bytes(m)
     return LOGITS_NV_BYTES[run] * m.tokens * m.vocab
 
 
