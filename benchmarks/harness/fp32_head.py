@@ -191,19 +191,19 @@ def run_vocab(dev, v, args, verl=None) -> List[dict]:
 
 def markdown(report) -> str:
     m = report["meta"]
-    logprobs = any(r["pass"] in ("fwd", "fwd+bwd") for r in report["rows"])
-    what = "Token log-probs and entropy" if logprobs else "The loss"
-    lines = [f"# {what} with an fp32 LM head, {m['device']}", "",
-             f"N={m['n']}, H={m['hidden']}, temperature {TEMPERATURE}; forward only (no grad) and "
-             f"forward + backward of both outputs; torch {m['torch']}, triton {m['triton']}; "
-             f"commit {m['commit']}." if logprobs else
-             f"N={m['n']}, H={m['hidden']}; torch {m['torch']}, triton {m['triton']}; "
+    if any(r["pass"] in ("fwd", "fwd+bwd") for r in report["rows"]):
+        title = "Token log-probs and entropy"
+        scope = (f", temperature {TEMPERATURE}; forward only (no grad) and forward + backward of "
+                 "both outputs; ")
+        errors = (f" Errors: largest absolute error of log-prob and entropy on the first "
+                  f"{REF_ROWS} tokens against fp64 of the same inputs (the bf16 weight row: of "
+                  "its own bf16 weight).")
+    else:  # the loss table alone: its own section says how its errors are taken
+        title, scope, errors = "The loss", "; ", ""
+    lines = [f"# {title} with an fp32 LM head, {m['device']}", "",
+             f"N={m['n']}, H={m['hidden']}{scope}torch {m['torch']}, triton {m['triton']}; "
              f"commit {m['commit']}.",
-             "Memory: peak above the inputs, less the gradients left behind." + (
-                 " Errors: largest "
-                 f"absolute error of log-prob and entropy on the first {REF_ROWS} tokens against "
-                 "fp64 of the same inputs (the bf16 weight row: of its own bf16 weight)."
-                 if logprobs else ""), ""]
+             "Memory: peak above the inputs, less the gradients left behind." + errors, ""]
     for v in m["vocab"]:
         for p in ("fwd", "fwd+bwd"):
             rows = [r for r in report["rows"] if r["vocab"] == v and r["pass"] == p]
