@@ -29,7 +29,8 @@ def _fold_max(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, s
               NEED_SUMX: tl.constexpr, LOGPROB: tl.constexpr, NEED_ARGMAX: tl.constexpr,
               STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
               DESC_U: tl.constexpr, SAVED_FOLD: tl.constexpr = False):
-    return tl.maximum(m, tl.max(x, axis=1)), s, tg, sx, best_col
+    # s kept nonzero: a row of s == 0 stores m = -inf, and the products would be dead code
+    return tl.maximum(m, tl.max(x, axis=1)), s + 1.0, tg, sx, best_col
 
 
 @triton.jit
@@ -92,6 +93,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--folds", nargs="+", default=["shipped", "shipped+store", "exp", "max"])
     ap.add_argument("--fold", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.fold:
@@ -100,7 +102,7 @@ def main(argv=None) -> None:
     print(json.dumps(dict(device=torch.cuda.get_device_name(), triton=triton.__version__,
                           torch=torch.__version__)), flush=True)
     for _ in range(args.rounds):  # interleaved rounds: the spread between them is the noise
-        for fold in ("shipped", "shipped+store", "exp", "max"):
+        for fold in args.folds:
             subprocess.run([sys.executable, __file__, "--fold", fold, "--n", str(args.n),
                             "--hidden", str(args.hidden), "--vocab", str(args.vocab),
                             "--reps", str(args.reps)], check=False)
