@@ -118,12 +118,14 @@ def long_context_memory(report: dict, path: Path) -> None:
         return
     limit = report["meta"].get("limit_gib")
     fig, axes = plt.subplots(1, len(vocabs), figsize=(6.5 * len(vocabs), 4.6), squeeze=False)
+    # one color per run in every panel, whichever runs a panel has
+    colors = {run: f"C{i}" for i, run in enumerate(dict.fromkeys(r["run"] for r in rows))}
     for ax, v in zip(axes[0], vocabs):
         runs = list(dict.fromkeys(r["run"] for r in rows if r["vocab"] == v))
-        for i, run in enumerate(runs):
+        for run in runs:
             mine = sorted((r for r in rows if r["vocab"] == v and r["run"] == run), key=lambda r: r["seq"])
             ok = [r for r in mine if r["status"] == "ok" and r.get("peak_memory_gib") is not None]
-            color = f"C{i}"
+            color = colors[run]
             ax.plot([r["seq"] for r in ok], [r["peak_memory_gib"] for r in ok], marker="o", color=color, label=run)
             pred = [r for r in mine if r.get("predicted_gib") is not None]
             ax.plot([r["seq"] for r in pred], [r["predicted_gib"] for r in pred], ls=":", color=color, lw=1)
