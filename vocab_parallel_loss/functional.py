@@ -118,7 +118,8 @@ def linear_cross_entropy(
         for a scalar loss forming the gradients in forward (an fp32 ``(V_local, H)``
         accumulator; 6NHV; without TP), else recomputing the logits in backward in column
         chunks (8NHV, about 0.4 GiB at 16K tokens of H=4096; a smaller budget narrows the
-        chunks). The results agree to rounding; the PyTorch backend ignores it.
+        chunks, down to one tile of columns beside the fp32 dE: a positive budget below that
+        warns, 0 asks for it). The results agree to rounding; the PyTorch backend ignores it.
     gradient_accumulation_fusion : add the gradient of ``c`` into ``c.main_grad`` (fp32, or
         any float dtype: accumulated in fp32 and rounded once into it) instead of returning it,
         as megatron-core's output layer does under its flag of that name: ``c`` then receives

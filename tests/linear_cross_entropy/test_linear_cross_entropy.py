@@ -594,6 +594,48 @@ def test_strategy_follows_memory_budget(monkeypatch):
             linear_cross_entropy(e, c, t, memory_budget=bad)
 
 
+def test_a_budget_no_strategy_meets_warns(monkeypatch):
+    """A positive budget below the least the engine holds (the fp32 dE beyond the dE returned,
+    beside one tile of dlogits columns; at its rounding the whole fp32 dE) warns, naming the
+    budget and what the call holds instead; one that meets it does not, nor does 0 (the least
+    memory, asked for) or the default. The narrowest chunks give the same gradients either way."""
+    import warnings
+
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    cfg = K.INTERPRET_CONFIG
+    tile = cfg.bwd_block_v
+    for dtype in (torch.float32, torch.bfloat16):
+        e, c, _, t = make(n=200, h=8, dtype=dtype)
+        n, h = e.shape
+        size = e.element_size()
+        hold, rounding = strategy_mod.recompute_de_bytes(n, h, size, True, False)
+        floor = max(hold + n * tile * size, rounding)
+
+        def pick(budget):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = strategy_mod.choose_strategy(K, e, c, None, "none", False, None, None,
+                                                   0.0, budget)
+            return got[0], [str(w.message) for w in caught if w.category is RuntimeWarning]
+
+        assert pick(floor) == ("recompute", [])
+        name, said = pick(floor - 1)
+        assert name == "recompute" and len(said) == 1, said
+        assert f"memory_budget={floor - 1} bytes" in said[0] and f"{floor} bytes" in said[0]
+        assert pick(0) == ("recompute", []) and pick(None)[1] == []
+
+    e, c, _, t = make(n=200, h=8)
+    with pytest.warns(RuntimeWarning, match="memory_budget=1 bytes"):
+        low = run(e, c, None, t, "triton", reduction="none", memory_budget=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        least = run(e, c, None, t, "triton", reduction="none", memory_budget=0)
+    assert torch.equal(low[0], least[0])
+    assert all(torch.equal(a, b) for a, b in zip(low[1], least[1]))
+
+
 def test_fp32_tiles_take_longer_gradient_in_forward_chunks():
     """The GPU config's rows per chunk of the gradients in forward: fp32 tiles (an fp32 head)
     need at least ``wide_gif_min_blocks`` row blocks, 16-bit ones ``gif_min_blocks``; below, the

@@ -68,7 +68,8 @@ def add_vocab_parallel_loss_args(parser: argparse.ArgumentParser) -> argparse.Ar
         default=None,
         help="GiB the fused linear loss may hold beyond its inputs and gradients; it takes the "
              "fastest strategy that fits (default 2: the logits saved for backward up to that "
-             "size, else recomputed).",
+             "size, else recomputed; below the fp32 gradient of the hidden states, 4 bytes "
+             "a token and hidden unit, it warns).",
     )
     group.add_argument(
         "--vocab-parallel-loss-ignore-index",

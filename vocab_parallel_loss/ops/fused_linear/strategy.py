@@ -12,6 +12,7 @@ it (``columns.py``).
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -191,10 +192,27 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
                 cols = min(tiles * tile, v - 1)
                 return Strategy("saved", size=cols,
                                 room=int(budget - backend.saved_bytes(n, cols, size, cfg)))
-    if recompute <= budget:
-        return Strategy(room=int(budget))
-    # the narrowest chunks: a tile wide
-    return Strategy(chunk_bytes=max(1, int(budget) - de_hold), room=int(budget))
+    # the config's chunks, else the narrowest: a tile wide (the buffer is whole tiles of all the
+    # rows, at least one: what it holds beside the fp32 dE is checked against the budget)
+    picked = Strategy(room=int(budget)) if recompute <= budget else Strategy(
+        chunk_bytes=max(1, int(budget) - de_hold), room=int(budget))
+    held = max(de_hold + fallback_chunk_bytes(n, v, size, picked.chunk_bytes or chunk, cfg),
+               de_round)
+    if 0 < budget < held:  # 0 asks for the least memory: no bound to break
+        _warn_below_floor(int(budget), held, n, h)
+    return picked
+
+
+def _warn_below_floor(budget: int, held: int, n: int, h: int) -> None:
+    """A positive budget that no strategy meets: the call holds more, and runs the slowest
+    schedule (a dlogits chunk a tile wide: dE read and written once per tile of columns)."""
+    warnings.warn(
+        f"memory_budget={budget} bytes is below the least the fused linear engine holds for "
+        f"{n} rows of hidden size {h}: {held} bytes (the fp32 (N, H) dE that the recomputed "
+        "logits add into, beside one tile of columns of dlogits). This call holds that much and "
+        "recomputes in chunks one tile wide, its slowest schedule. Give at least that budget, "
+        "or memory_budget=0 for the least memory without this warning.", RuntimeWarning,
+        stacklevel=2)
 
 
 def recompute_de_bytes(n: int, h: int, size: int, need_de: bool,
