@@ -625,6 +625,10 @@ def test_a_budget_no_strategy_meets_warns(monkeypatch):
         assert name == "recompute" and len(said) == 1, said
         assert f"memory_budget={floor - 1} bytes" in said[0] and f"{floor} bytes" in said[0]
         assert pick(0) == ("recompute", []) and pick(None)[1] == []
+        # a frozen input holds no dE: one tile of dlogits is the least
+        e = e.detach()
+        assert pick(n * tile * size) == ("recompute", [])
+        assert "memory_budget=" in pick(n * tile * size - 1)[1][0]
 
     e, c, _, t = make(n=200, h=8)
     with pytest.warns(RuntimeWarning, match="memory_budget=1 bytes"):

@@ -196,8 +196,9 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     # rows, at least one: what it holds beside the fp32 dE is checked against the budget)
     picked = Strategy(room=int(budget)) if recompute <= budget else Strategy(
         chunk_bytes=max(1, int(budget) - de_hold), room=int(budget))
-    held = max(de_hold + fallback_chunk_bytes(n, v, size, picked.chunk_bytes or chunk, cfg),
-               de_round)
+    hold, rounding = (de_hold, de_round) if e.requires_grad else (0, 0)  # no dE: none held
+    held = max(hold + fallback_chunk_bytes(n, v, size, picked.chunk_bytes or chunk, cfg),
+               rounding)
     if 0 < budget < held:  # 0 asks for the least memory: no bound to break
         _warn_below_floor(int(budget), held, n, h)
     return picked
