@@ -17,10 +17,14 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from probe_linear_gemms import _ms  # noqa: E402  (the gradient-GEMM probe's timer)
 
 
 @triton.jit
@@ -42,20 +46,6 @@ def _fold_exp(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, s
     m_new = tl.maximum(m, tl.max(x, axis=1))
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
     return m_new, s, tg, sx, best_col
-
-
-def _ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)  # the host queues the reps while the GPU sleeps
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(reps):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / reps
 
 
 def run_one(fold: str, n: int, h: int, v: int, reps: int) -> None:
