@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from vocab_parallel_loss import settings
-from vocab_parallel_loss.ops.fused_linear.strategy import recompute_de_bytes
+from vocab_parallel_loss.ops.fused_linear.strategy import fallback_chunk_bytes, recompute_de_bytes
 
 
 def one_saved_tile_budget(K, n: int, h: int, v: int, size: int, cfg, need_de: bool = True,
@@ -17,8 +17,7 @@ def one_saved_tile_budget(K, n: int, h: int, v: int, size: int, cfg, need_de: bo
     and an fp32 head's forward parts (``K.parts_bytes``), plus the saved tiles. ``size``: the
     tiles' element size (4 when either operand is fp32: an fp32 weight); ``e_size``: the hidden
     states' (default ``size``), the dE returned; ``device``: the operands' (default the CPU)."""
-    block = cfg.bwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    chunk = fallback_chunk_bytes(n, v, size, cfg.chunk_bytes, cfg)  # whole tiles, at least one
     e_size = size if e_size is None else e_size
     hold, rounding = recompute_de_bytes(n, h, e_size, need_de, sequence_parallel)
     dtype = {2: torch.bfloat16, 4: torch.float32}

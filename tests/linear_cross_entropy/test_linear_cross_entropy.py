@@ -519,32 +519,40 @@ def test_recompute_counts_de_beyond_the_returned_gradient(monkeypatch):
     de = strategy_mod.recompute_de_bytes
     assert de(n, h, 2, True, False) == (2 * n * h, 4 * n * h)  # bf16
     assert de(n, h, 4, True, False) == (0, 0)  # fp32: the accumulator is the gradient
-    assert de(n, h, 2, False, False) == (4 * n * h, 4 * n * h)
+    assert de(n, h, 2, False, False) == (0, 0)  # frozen hidden states: no dE accumulated
+    assert de(n, h, 2, False, True) == (0, 0)
     assert de(n, h, 2, True, True) == (4 * n * h, 4 * n * h)
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
     cfg = K.INTERPRET_CONFIG
     e, c, _, _ = make(n=n, h=h, dtype=torch.bfloat16)
-    chunk = cfg.chunk_bytes
-    assert chunk < n * 53 * 2  # several chunks
+    v = c.shape[0]
+    # the dlogits buffer backward allocates: one tile of all 300 rows, above the config's chunk
+    chunk = n * cfg.bwd_block_v * 2
+    assert cfg.chunk_bytes < chunk < n * v * 2  # several chunks, each wider than configured
+    assert strategy_mod.fallback_chunk_bytes(n, v, 2, cfg.chunk_bytes, cfg) == chunk
 
     def pick(budget):
         return strategy_mod.choose_strategy(K, e, c, None, "none", False, None, 5.0, 0.1,
                                             budget)[:3]  # softcap and smoothing: nothing saved
 
-    # the whole chunk beside the fp32 dE fits once the returned dE is not counted twice
+    # the buffer as allocated beside the fp32 dE fits once the returned dE is not counted twice
     assert pick(max(2 * n * h + chunk, 4 * n * h)) == ("recompute", None, None)
-    assert pick(2 * n * h + chunk - 1) == ("recompute", chunk - 1, None)
+    with pytest.warns(RuntimeWarning, match="memory_budget="):  # a byte short: no strategy fits
+        assert pick(2 * n * h + chunk - 1) == ("recompute", chunk - 1, None)
     # an fp32 head with bf16 hidden states: fp32 tiles, a bf16 dE returned beside the fp32 one
     c = c.detach().float().requires_grad_()
-    need = max(2 * n * h + chunk, 4 * n * h)
+    need = max(2 * n * h + 2 * chunk, 4 * n * h)
     assert pick(need) == ("recompute", None, None)
-    assert pick(need - 1)[1] is not None
+    with pytest.warns(RuntimeWarning, match="memory_budget="):
+        assert pick(need - 1)[1] is not None
 
 
 def test_strategy_follows_memory_budget(monkeypatch):
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
-    e, c, b, t = make(n=200, h=8)  # N > 2H: the fp32 dC is smaller than the saved tiles
+    # N > 2H: the fp32 dC is smaller than the saved tiles; four tiles of columns, so that one
+    # saved beside the recompute's dlogits (a tile of every row) holds less than all of them
+    e, c, b, t = make(n=200, h=8, v=101)
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
     cfg = K.INTERPRET_CONFIG
     n, h = e.shape
@@ -566,7 +574,13 @@ def test_strategy_follows_memory_budget(monkeypatch):
     assert pick(gif) == ("grad_in_forward", None, rows)
     assert pick(gif - 1)[0] == "recompute"  # under one chunk of the config's rows
     # per token: the first tiles saved, the rest recomputed into the fp32 dE
-    assert pick(saved - 1, "none") == ("saved", None, cfg.fwd_block_v)
+    # (fp32 inputs: the recompute's dE accumulator is the gradient; its dlogits, a tile of
+    # every row, is what the saved tiles share the budget with)
+    per_tile = K.saved_bytes(n, cfg.fwd_block_v, e.element_size(), cfg)
+    chunk = strategy_mod.fallback_chunk_bytes(n, v, e.element_size(), cfg.chunk_bytes, cfg)
+    split = (saved - 1 - chunk) // per_tile * cfg.fwd_block_v
+    assert 0 < split < v
+    assert pick(saved - 1, "none") == ("saved", None, split)
     assert pick(0) == ("recompute", 1, None)  # too small for any chunk: the narrowest
     # smoothing through a softcap needs every logit: the saved probabilities lack them
     assert pick(None, softcap=3.0, smoothing=0.1)[0] == "recompute"
@@ -582,8 +596,7 @@ def test_strategy_follows_memory_budget(monkeypatch):
 
     assert room(saved) == 0 and room(saved + 1000) == 1000
     assert room(gif) == gif - fixed - K.saved_bytes(rows, v, e.element_size(), cfg)
-    assert room(saved - 1, "none") == saved - 1 - K.saved_bytes(n, cfg.fwd_block_v,
-                                                                 e.element_size(), cfg)
+    assert room(saved - 1, "none") == saved - 1 - K.saved_bytes(n, split, e.element_size(), cfg)
     assert room(gif - 1) == gif - 1  # recompute: nothing held in forward
     with torch.no_grad():
         assert room(12345) == 12345 and room(None) == strategy_mod.DEFAULT_MEMORY_BUDGET
@@ -675,15 +688,16 @@ def test_memory_budget_results_agree(budget, monkeypatch):
         pytest.skip("needs TRITON_INTERPRET=1")
     monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
     if budget == "one-tile":  # 200 rows of H = 8: the saved tiles outweigh the fp32 dE
-        e, c, _, _ = make(n=200, h=8)
-        budget = _one_saved_tile_budget(200, 8, 53, 4)
+        e, c, _, _ = make(n=200, h=8, v=101)  # four tiles of columns: one saved, three not
+        budget = _one_saved_tile_budget(200, 8, 101, 4)
         picked = strategy_mod.choose_strategy(K, e, c, None, "none", False, None, None, 0.0,
                                               budget)
         assert picked[:3] == ("saved", None, K.INTERPRET_CONFIG.fwd_block_v)
         check("triton", torch.float32, reduction="none", upstream=True, bias=True,
-              softcap=3.0, memory_budget=budget, n=200, h=8)
+              softcap=3.0, memory_budget=budget, n=200, h=8, v=101)
         check("triton", torch.bfloat16, reduction="none", upstream=True, bias=True,
-              memory_budget=_one_saved_tile_budget(200, 8, 53, 2), lead=(4, 50), shift=1, h=8)
+              memory_budget=_one_saved_tile_budget(200, 8, 101, 2), lead=(4, 50), shift=1, h=8,
+              v=101)
         return
     check("triton", torch.float32, reduction="none", upstream=True, bias=True, memory_budget=budget)
     check("triton", torch.bfloat16, reduction="mean", label_smoothing=0.1, memory_budget=budget)

@@ -170,8 +170,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
                 room = budget - forward - backend.saved_bytes(rows, v, size, cfg)
                 return Strategy("grad_in_forward", chunk_bytes=fallback, size=rows,
                                 room=int(room))
-    block = cfg.bwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * size)
+    # the config's dlogits chunk as backward allocates it: whole tiles of every row, at least one
+    chunk = fallback_chunk_bytes(n, v, size, cfg.chunk_bytes, cfg)
     # (the dE returned is in e's dtype, whatever the tiles')
     de_hold, de_round = recompute_de_bytes(n, h, e.element_size(), e.requires_grad,
                                            sequence_parallel and world > 1)
@@ -196,9 +196,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     # rows, at least one: what it holds beside the fp32 dE is checked against the budget)
     picked = Strategy(room=int(budget)) if recompute <= budget else Strategy(
         chunk_bytes=max(1, int(budget) - de_hold), room=int(budget))
-    hold, rounding = (de_hold, de_round) if e.requires_grad else (0, 0)  # no dE: none held
-    held = max(hold + fallback_chunk_bytes(n, v, size, picked.chunk_bytes or chunk, cfg),
-               rounding)
+    held = max(de_hold + fallback_chunk_bytes(n, v, size, picked.chunk_bytes or chunk, cfg),
+               de_round)
     if 0 < budget < held:  # 0 asks for the least memory: no bound to break
         _warn_below_floor(int(budget), held, n, h)
     return picked
@@ -224,10 +223,11 @@ def recompute_de_bytes(n: int, h: int, size: int, need_de: bool,
     less its size; rounding it allocates that gradient beside it (nothing for fp32 inputs: the
     accumulator is the gradient). Under sequence parallelism the returned shard is a fraction
     of the gathered rows and the reduce-scatter adds its own buffer: the accumulator counts
-    whole, both times."""
+    whole, both times. Without ``need_de`` (frozen hidden states) there is no accumulator."""
+    if not need_de:
+        return 0, 0
     de32 = n * h * 4
     if sequence_parallel:
         return de32, de32
-    returned = n * h * size if need_de else 0  # ``size``: the input's element size
-    hold = max(de32 - returned, 0)
+    hold = max(de32 - n * h * size, 0)  # ``size``: the input's element size
     return hold, (de32 if size < 4 else hold)
