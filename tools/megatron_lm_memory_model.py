@@ -120,8 +120,7 @@ def fused_linear_strategy(m: Shape, budget_gib: Optional[float]) -> dict:
         s = st.choose_strategy(backend, e, c, None, "none", False, None, None, 0.0, budget,
                                main_grad=False, masked=True)
     cfg = lce_config.HOPPER_CONFIG
-    block = cfg.bwd_block_v
-    chunk = min(cfg.chunk_bytes, n * -(-v // block) * block * 2)
+    chunk = st.fallback_chunk_bytes(n, v, 2, cfg.chunk_bytes, cfg)  # as backward allocates it
     de_hold, de_round = st.recompute_de_bytes(n, h, 2, True, False)
     if s.name == "saved" and s.size is None:
         held, what = kernels.saved_bytes(n, v, 2, cfg), "saved tiles"
@@ -135,9 +134,9 @@ def fused_linear_strategy(m: Shape, budget_gib: Optional[float]) -> dict:
     elif s.chunk_bytes is None:
         held, what = max(de_hold + chunk, de_round), "recompute, 128 MiB chunks"
     else:
-        width = max(block, s.chunk_bytes // max(n * 2, 1) // block * block)
-        held = max(de_hold + n * width * 2, de_round)
-        what = f"recompute, chunks of {width} columns"
+        narrow = st.fallback_chunk_bytes(n, v, 2, s.chunk_bytes, cfg)
+        held = max(de_hold + narrow, de_round)
+        what = f"recompute, chunks of {narrow // (n * 2)} columns"
     return dict(strategy=s.name, detail=what, bytes=held)
 
 
