@@ -8,7 +8,9 @@
 #   bash lab/stage_quack.sh                 # here: .lab_tmp/qa/ and .lab_tmp/qb/ (ignored paths)
 #   call 1, carry [".lab_tmp/qa", ...]:     mkdir -p /tmp/stage && cp .lab_tmp/qa/* /tmp/stage/
 #   call 2, carry [".lab_tmp/qb", ...]:     cp .lab_tmp/qb/* /tmp/stage/ && mkdir -p /tmp/cutl &&
-#       cat /tmp/stage/cutl.part.* | xz -d | tar -x -C /tmp/cutl && export PYTHONPATH=/tmp/cutl:$PYTHONPATH
+#       cat /tmp/stage/cutl.part.* | xz -d | tar -x -C /tmp/cutl &&
+#       export PYTHONPATH=/tmp/cutl:/tmp/cutl/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+#   (the second entry is what the DSL's .pth file adds in a site directory: PYTHONPATH reads none)
 #   then e.g. python3 benchmarks/bench_linear.py --vocab 128256 --reductions mean \
 #       --impls ours ours@3.07 ours_saved quack liger torch --rounds 3
 set -euo pipefail
