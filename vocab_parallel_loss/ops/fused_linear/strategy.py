@@ -192,15 +192,15 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
                 cols = min(tiles * tile, v - 1)
                 return Strategy("saved", size=cols,
                                 room=int(budget - backend.saved_bytes(n, cols, size, cfg)))
-    # the config's chunks, else the narrowest: a tile wide (the buffer is whole tiles of all the
-    # rows, at least one: what it holds beside the fp32 dE is checked against the budget)
-    picked = Strategy(room=int(budget)) if recompute <= budget else Strategy(
-        chunk_bytes=max(1, int(budget) - de_hold), room=int(budget))
-    held = max(de_hold + fallback_chunk_bytes(n, v, size, picked.chunk_bytes or chunk, cfg),
-               de_round)
+    if recompute <= budget:  # the config's chunks
+        return Strategy(room=int(budget))
+    # chunks narrowed to the budget, down to a tile wide (the buffer is whole tiles of all the
+    # rows, at least one: what it then holds beside the fp32 dE is checked against the budget)
+    narrow = max(1, int(budget) - de_hold)
+    held = max(de_hold + fallback_chunk_bytes(n, v, size, narrow, cfg), de_round)
     if 0 < budget < held:  # 0 asks for the least memory: no bound to break
         _warn_below_floor(int(budget), held, n, h)
-    return picked
+    return Strategy(chunk_bytes=narrow, room=int(budget))
 
 
 def _warn_below_floor(budget: int, held: int, n: int, h: int) -> None:
