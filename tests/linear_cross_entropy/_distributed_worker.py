@@ -212,6 +212,38 @@ def check_compiled_unequal_sequence_shards(*, impl):
         assert got == want, f"rows {rows}: outcomes per rank {got}, expected {want}"
 
 
+def check_frozen_hidden_states_budget(*, impl):
+    """Frozen hidden states under TP (a trained head over a frozen trunk): backward forms no dE,
+    so no fp32 dE is all-reduced, and a budget of exactly the saved tiles saves them all; with
+    trainable hidden states the same budget cannot (the fp32 dE is the all-reduce's operand).
+    dC against the oracle."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    K.config.OVERRIDE_CONFIG = None
+    gen = torch.Generator().manual_seed(99)
+    v_local = device_columns(K, 23, DEVICE)
+    e_full = torch.randn(4, 8, 16, generator=gen)
+    c_full = torch.randn(v_local * world, 16, generator=gen)
+    t = torch.randint(0, v_local * world, (4, 8), generator=gen)
+    rows = slice(rank * v_local, (rank + 1) * v_local)
+    e = e_full.to(DEVICE)
+    c = c_full[rows].to(DEVICE, copy=True).requires_grad_()
+    budget = K.saved_bytes(32, v_local, 4, K.default_config(DEVICE))
+
+    def pick(e_):
+        return strategy_mod.choose_strategy(K, e_, c, None, "mean", False, dist.group.WORLD,
+                                            None, 0.0, budget)[:3]
+
+    if impl == "triton":
+        assert pick(e) == ("saved", None, None), pick(e)
+        assert pick(e.clone().requires_grad_()) != ("saved", None, None)
+    loss = linear_cross_entropy(e, c, t.to(DEVICE), tp_group=dist.group.WORLD, impl=impl,
+                                memory_budget=budget)
+    (dc,) = torch.autograd.grad(loss, [c])
+    want, wgrads = reference_grads(e_full, c_full, t)
+    torch.testing.assert_close(loss.detach().double().cpu(), want, atol=2e-4, rtol=2e-5)
+    close("dC", dc, wgrads[1][rows], 2e-5)
+
+
 def case_name(impl, case) -> str:
     return impl + "/" + ",".join(f"{k}={getattr(v, '__name__', v)}".replace("torch.", "")
                                  for k, v in case.items())
@@ -226,6 +258,8 @@ def main() -> int:
              if impl == "triton" or not case.get("gif") or case.get("masked")]
     cases += [(f"{impl}/reused group", lambda impl=impl: check_reused_group(impl=impl))
               for impl in impls]
+    cases += [(f"{impl}/frozen hidden states budget",
+               lambda impl=impl: check_frozen_hidden_states_budget(impl=impl)) for impl in impls]
     # dynamo traces the PyTorch backend (the Triton one is a graph break)
     if "torch" in impls and compiled_collectives_run(DEVICE):
         cases.append(("torch/compiled unequal sequence shards",

@@ -144,7 +144,8 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
         ok = {"saved": saved_ok, "grad_in_forward": (scalar or masked) and saved_ok,
               "recompute": True}[cfg.strategy]
         return Strategy(cfg.strategy) if ok else _RECOMPUTE
-    de32 = n * h * 4  # fp32 dE: the TP all-reduce's operand, the recompute path's accumulator
+    # fp32 dE, the TP all-reduce's operand: only where dE is formed (not for frozen inputs)
+    de32 = n * h * 4 * e.requires_grad
     saved_all = backend.saved_bytes(n, v, size, cfg)
     if saved_ok and saved_all + (de32 if world > 1 else 0) <= budget:
         return Strategy("saved", room=int(budget - saved_all))
