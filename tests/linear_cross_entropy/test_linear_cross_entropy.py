@@ -547,6 +547,49 @@ def test_recompute_counts_de_beyond_the_returned_gradient(monkeypatch):
         assert pick(need - 1)[1] is not None
 
 
+def test_shift_reserves_what_it_copies(monkeypatch):
+    """``shift`` holds beside the engine: the shifted rows where ``reshape`` copies them (a batch
+    dim before the sequence), and the shifted dE beside the unshifted one (fp32 under sequence
+    parallelism, of every gathered row). The budget the strategy sees is the call's less that:
+    exactly the saved tiles plus it saves every tile, a byte less does not."""
+    if K is None or not interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from vocab_parallel_loss.ops.linear_cross_entropy import function as lce_function
+
+    shift_bytes = strategy_mod.shift_bytes
+    e = torch.zeros(3, 10, 8, dtype=torch.bfloat16)
+    assert shift_bytes(e, 0, -2) == 0
+    assert shift_bytes(e, 1, -2) == 27 * 8 * 2  # rows copied; frozen: no dE
+    assert shift_bytes(e.requires_grad_(), 1, -2) == 2 * 27 * 8 * 2  # and the shifted dE
+    assert shift_bytes(e[:1], 2, -2) == 8 * 8 * 2  # one sequence: a view, no copy
+    assert shift_bytes(e.float(), 1, -2) == 2 * 27 * 8 * 4  # fp32: the copy and its dE in fp32
+    # sequence parallel over 4 ranks, [s / 4, b, h]: the padded fp32 dE of all 4 x 3 x 10 rows
+    assert shift_bytes(e, 1, 0, sp_world=4) == 4 * 3 * 10 * 8 * 4
+
+    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    e, c, _, t = make(n=None, lead=(4, 50), h=8, v=101, dtype=torch.bfloat16)
+    picked = []
+    choose = lce_function.choose_strategy
+
+    def spy(*a, **k):
+        picked.append(choose(*a, **k))
+        return picked[-1]
+
+    monkeypatch.setattr(lce_function, "choose_strategy", spy)
+    saved = K.saved_bytes(4 * 49, 101, 2, K.INTERPRET_CONFIG)
+    saved_all = K.saved_bytes(4 * 50, 101, 2, K.INTERPRET_CONFIG)  # the rows the count takes
+    reserve = shift_bytes(e, 1, -2)
+    assert reserve == 2 * (4 * 49 * 8 * 2) and saved <= saved_all
+    for budget, whole in ((saved_all + reserve, True), (saved_all + reserve - 1, False)):
+        picked.clear()
+        loss = linear_cross_entropy(e, c, t, shift=1, memory_budget=budget)
+        assert (picked[0][:3] == ("saved", None, None)) == whole, picked
+        loss.backward()
+    # the narrowest schedule's warning names the call's budget and what it holds with the shift
+    with pytest.warns(RuntimeWarning, match="memory_budget=1 bytes"):
+        linear_cross_entropy(e, c, t, shift=1, memory_budget=1, reduction="none")
+
+
 def test_strategy_follows_memory_budget(monkeypatch):
     if K is None or not interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")

@@ -152,19 +152,20 @@ def test_deterministic_bitwise():
         assert torch.equal(a, b_)
 
 
-def _extra_memory(e, c, t, memory_budget=None):
-    """Peak bytes above the inputs during forward + backward, minus the bf16 gradients left
-    behind (second run: compiled, allocator warm)."""
+def _extra_memory(e, c, t, memory_budget=None, **kw):
+    """Peak bytes above the inputs during forward + backward, minus the gradients left behind
+    (second run: compiled, allocator warm)."""
     e.requires_grad_()
     c.requires_grad_()
     for _ in range(2):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        loss = linear_cross_entropy(e, c, t, impl="triton", memory_budget=memory_budget)
+        loss = linear_cross_entropy(e, c, t, impl="triton", memory_budget=memory_budget, **kw)
         de, dc = torch.autograd.grad(loss, (e, c))
         torch.cuda.synchronize()
-        extra = torch.cuda.max_memory_allocated() - base - de.numel() * 2 - dc.numel() * 2
+        extra = (torch.cuda.max_memory_allocated() - base - de.numel() * de.element_size()
+                 - dc.numel() * dc.element_size())
         del de, dc, loss
     return extra
 
@@ -468,6 +469,20 @@ def test_memory_stays_within_the_budget(budget_gib):
     budget = int(budget_gib * 2**30)
     extra = _extra_memory(e, c, t, memory_budget=budget)
     assert extra <= budget + 32 * 2**20, (extra / 2**30, budget_gib)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_shift_stays_within_the_budget(dtype):
+    """``shift`` over [b, s, h] hidden states copies the shifted rows and unshifts dE into a new
+    gradient: both count within the budget. A budget just above the saved tiles (which would
+    save them all, were the shift not counted) keeps the peak within it."""
+    b, s, h, v = 4, 2048, 2048, 32000
+    e, c, _, t, _ = _case(b * s, h, v, dtype=dtype)
+    e, t = e.view(b, s, h), t.view(b, s)
+    cfg = K.default_config(e.device)
+    budget = K.saved_bytes(b * s, v, e.element_size(), cfg) + 8 * 2**20
+    extra = _extra_memory(e, c, t, memory_budget=budget, shift=1)
+    assert extra <= budget + 32 * 2**20, (extra / 2**20, budget / 2**20)
 
 
 @pytest.mark.parametrize("budget", [None, 0], ids=["saved", "recompute"])

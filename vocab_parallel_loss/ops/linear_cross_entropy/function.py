@@ -35,7 +35,7 @@ from ..fused_linear import compiled_checks
 from ..fused_linear.columns import backward_columns, forward_columns
 from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
 from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
-from ..fused_linear.strategy import choose_strategy, gif_round_dc_first
+from ..fused_linear.strategy import choose_strategy, gif_round_dc_first, shift_bytes
 from . import contract, masked
 from .formed import round_formed
 from .contract import LinearLossOptions
@@ -388,20 +388,25 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
     sequence_parallel = bool(sequence_parallel)
     softcap = float(softcap) if softcap else None
     smoothing = float(label_smoothing)
+    world = communication.world_size(tp_group)
+    seq_dim = 0 if sequence_parallel else -2
+    reserved = shift_bytes(e, int(shift), seq_dim,
+                           world if sequence_parallel and world > 1 else 1)
     strategy = choose_strategy(backend, e, c, bias, reduction, sequence_parallel, tp_group,
                                softcap, smoothing, memory_budget, gradient_accumulation_fusion,
-                               masked=loss_mask is not None, invariant=batch_invariant)
+                               masked=loss_mask is not None, invariant=batch_invariant,
+                               reserved=reserved)
     masked_gif = loss_mask is not None and strategy.name == "grad_in_forward"
     o = LinearLossOptions(
         ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=int(shift),
         group=tp_group,
-        sequence_parallel=sequence_parallel and communication.world_size(tp_group) > 1,
+        sequence_parallel=sequence_parallel and world > 1,
         smoothing=smoothing, z_loss=float(z_loss), backend=backend,
         strategy=strategy.name, chunk_bytes=strategy.chunk_bytes,
         saved_cols=strategy.size if strategy.name == "saved" else None,
         gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
         room=strategy.room,
-        seq_dim=0 if sequence_parallel else -2, main_grad=gradient_accumulation_fusion,
+        seq_dim=seq_dim, main_grad=gradient_accumulation_fusion,
         masked=masked_gif, fp32_precision=fp32_precision, invariant=batch_invariant)
     mask = loss_mask.detach() if masked_gif else None  # (unused by the other strategies)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
