@@ -1,8 +1,10 @@
 # Lab: carry quack (the CuTe DSL peer) to the device machine, whose calls carry at most 64 MiB.
 #
-# quack-kernels 0.6.4 needs nvidia-cutlass-dsl 4.6.2, whose CUDA library wheel alone is 88 MB.
-# Unpacked together with quack, apache-tvm-ffi and torch-c-dlpack-ext and packed with xz -9e it
-# is ~62 MiB: too much beside the tree in one call, so it travels in two halves, on one warm
+# quack-kernels 0.6.4 needs nvidia-cutlass-dsl 4.6.2, whose CUDA library wheel alone is 88 MB;
+# the DSL's Python package `cutlass` is in nvidia-cutlass-dsl-libs-core, which needs
+# cuda-python (bindings, core, pathfinder), protobuf and nvdisasm. Unpacked together with quack,
+# tvm-ffi and the dlpack extension and packed with xz -9e it is too much beside the tree in one
+# call, so it travels in two halves, on one warm
 # machine (it goes back after ~30 s idle: issue the second call at once).
 #
 #   bash lab/stage_quack.sh                 # here: .lab_tmp/qa/ and .lab_tmp/qb/ (ignored paths)
@@ -19,7 +21,10 @@ work=$(mktemp -d)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
     -d "$work/whl" quack-kernels==0.6.4 nvidia-cutlass-dsl==4.6.2 nvidia-cutlass-dsl-libs-base==4.6.2 \
-    nvidia-cutlass-dsl-libs-cu12==4.6.2 'apache-tvm-ffi>=0.1.6,<0.2' torch-c-dlpack-ext
+    nvidia-cutlass-dsl-libs-core==4.6.2 nvidia-cutlass-dsl-libs-cu12==4.6.2 \
+    'apache-tvm-ffi>=0.1.6,<0.2' torch-c-dlpack-ext einops 'protobuf>=6.30.2,<7' \
+    'nvidia-cuda-nvdisasm>=13.3,<14' cuda-python==13.4.4 'cuda-bindings~=13.4.4' \
+    'cuda-core~=1.2.0' 'cuda-pathfinder~=1.1'
 mkdir -p "$work/site"
 for w in "$work"/whl/*.whl; do unzip -q -o "$w" -d "$work/site"; done
 tar -C "$work/site" -cf - . | xz -T2 -9e > "$work/cutl.tar.xz"
