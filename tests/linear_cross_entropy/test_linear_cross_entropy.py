@@ -547,47 +547,50 @@ def test_recompute_counts_de_beyond_the_returned_gradient(monkeypatch):
         assert pick(need - 1)[1] is not None
 
 
-def test_shift_reserves_what_it_copies(monkeypatch):
-    """``shift`` holds beside the engine: the shifted rows where ``reshape`` copies them (a batch
-    dim before the sequence), and the shifted dE beside the unshifted one (fp32 under sequence
-    parallelism, of every gathered row). The budget the strategy sees is the call's less that:
-    exactly the saved tiles plus it saves every tile, a byte less does not."""
-    if K is None or not interpreting():
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_shift_is_the_loss_of_the_shifted_rows(impl, monkeypatch):
+    """``shift`` moves the targets (and the loss mask), not the hidden states: the per-token
+    losses, lse and dE of the kept positions are those of the shifted rows given alone, the
+    dropped positions' dE is exactly 0, the outputs are contiguous; and the strategy a budget
+    picks is the unshifted call's (the shift copies nothing: a budget of exactly the saved tiles
+    saves them all)."""
+    if impl == "triton" and (K is None or not interpreting()):
         pytest.skip("needs TRITON_INTERPRET=1")
     from vocab_parallel_loss.ops.linear_cross_entropy import function as lce_function
 
-    shift_bytes = strategy_mod.shift_bytes
-    e = torch.zeros(3, 10, 8, dtype=torch.bfloat16)
-    assert shift_bytes(e, 0, -2) == 0
-    assert shift_bytes(e, 1, -2) == 27 * 8 * 2  # rows copied; frozen: no dE
-    assert shift_bytes(e.requires_grad_(), 1, -2) == 2 * 27 * 8 * 2  # and the shifted dE
-    assert shift_bytes(e[:1], 2, -2) == 8 * 8 * 2  # one sequence: a view, no copy
-    assert shift_bytes(e.float(), 1, -2) == 2 * 27 * 8 * 4  # fp32: the copy and its dE in fp32
-    # sequence parallel over 4 ranks, [s / 4, b, h]: the padded fp32 dE of all 4 x 3 x 10 rows
-    assert shift_bytes(e, 1, 0, sp_world=4) == 4 * 3 * 10 * 8 * 4
-
-    monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
-    e, c, _, t = make(n=None, lead=(4, 50), h=8, v=101, dtype=torch.bfloat16)
+    if K is not None:
+        monkeypatch.setattr(KC, "OVERRIDE_CONFIG", K.INTERPRET_CONFIG)
+    e, c, _, t = make(n=None, lead=(3, 20), h=8, v=101)
+    mask = (torch.arange(60).view(3, 20) % 5 != 0).float()
     picked = []
-    choose = lce_function.choose_strategy
+    if K is not None:
+        choose = lce_function.choose_strategy
 
-    def spy(*a, **k):
-        picked.append(choose(*a, **k))
-        return picked[-1]
+        def spy(*a, **k):
+            picked.append(choose(*a, **k))
+            return picked[-1]
 
-    monkeypatch.setattr(lce_function, "choose_strategy", spy)
-    saved = K.saved_bytes(4 * 49, 101, 2, K.INTERPRET_CONFIG)
-    saved_all = K.saved_bytes(4 * 50, 101, 2, K.INTERPRET_CONFIG)  # the rows the count takes
-    reserve = shift_bytes(e, 1, -2)
-    assert reserve == 2 * (4 * 49 * 8 * 2) and saved <= saved_all
-    for budget, whole in ((saved_all + reserve, True), (saved_all + reserve - 1, False)):
-        picked.clear()
-        loss = linear_cross_entropy(e, c, t, shift=1, memory_budget=budget)
-        assert (picked[0][:3] == ("saved", None, None)) == whole, picked
-        loss.backward()
-    # the narrowest schedule's warning names the call's budget and what it holds with the shift
-    with pytest.warns(RuntimeWarning, match="memory_budget=1 bytes"):
-        linear_cross_entropy(e, c, t, shift=1, memory_budget=1, reduction="none")
+        monkeypatch.setattr(lce_function, "choose_strategy", spy)
+    budget = K.saved_bytes(60, 101, 4, K.INTERPRET_CONFIG) if K is not None else None
+    up = torch.randn(3, 19, generator=torch.Generator().manual_seed(3))
+    loss, lse = linear_cross_entropy(e, c, t, shift=1, reduction="none", return_lse=True,
+                                     impl=impl, memory_budget=budget, loss_mask=mask)
+    assert loss.shape == lse.shape == (3, 19) and loss.is_contiguous() and lse.is_contiguous()
+    (de,) = torch.autograd.grad((loss * up * mask[:, 1:]).sum() + lse.sum(), [e])
+    if impl == "triton":
+        assert picked[0][:3] == ("saved", None, None), picked
+    e1 = e.detach()[:, :-1].clone().requires_grad_()
+    want, want_lse = linear_cross_entropy(e1, c, t[:, 1:], reduction="none", return_lse=True,
+                                          impl=impl)
+    (want_de,) = torch.autograd.grad((want * up * mask[:, 1:]).sum() + want_lse.sum(), [e1])
+    torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(de[:, :-1], want_de, rtol=1e-5, atol=1e-6)
+    assert torch.equal(de[:, -1], torch.zeros_like(de[:, -1]))
+    # a shift as long as the sequence keeps nothing: empty outputs, a zero gradient
+    loss = linear_cross_entropy(e, c, t, shift=20, reduction="none", impl=impl)
+    assert loss.shape == (3, 0)
+    assert not torch.autograd.grad(loss.sum(), [e])[0].any()
 
 
 def test_strategy_follows_memory_budget(monkeypatch):

@@ -473,9 +473,9 @@ def test_memory_stays_within_the_budget(budget_gib):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_shift_stays_within_the_budget(dtype):
-    """``shift`` over [b, s, h] hidden states copies the shifted rows and unshifts dE into a new
-    gradient: both count within the budget. A budget just above the saved tiles (which would
-    save them all, were the shift not counted) keeps the peak within it."""
+    """``shift`` over [b, s, h] hidden states copies neither them nor their gradient (it moves
+    the targets): a budget just above the saved tiles, which saves them all, keeps the peak
+    within it."""
     b, s, h, v = 4, 2048, 2048, 32000
     e, c, _, t, _ = _case(b * s, h, v, dtype=dtype)
     e, t = e.view(b, s, h), t.view(b, s)

@@ -110,7 +110,7 @@ def fallback_chunk_bytes(n: int, v: int, size: int, chunk: int, cfg) -> int:
 
 def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool, group,
                     softcap, smoothing: float, memory_budget, main_grad: bool = False,
-                    masked: bool = False, invariant: bool = False, reserved: int = 0):
+                    masked: bool = False, invariant: bool = False):
     """The ``Strategy``: the fastest way to form the gradients whose extra memory fits
     ``memory_budget`` bytes (docs/design.md, section 7, "Strategies"), among those the backend
     runs (``backend.STRATEGIES``).
@@ -122,16 +122,13 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     Decided from shapes every rank shares (rows, hidden size, local vocabulary), so every rank
     takes the same path and runs the same collectives. ``invariant`` (batch-invariant
     statistics): the first columns saved are a whole number of the forward's splits
-    (``invariant_tiles``), so that the statistics come from the splits of one pass.
-    ``reserved``: bytes the caller holds beside the engine within the same budget
-    (``shift_bytes``)."""
+    (``invariant_tiles``), so that the statistics come from the splits of one pass."""
     if "saved" not in backend.STRATEGIES:
         return _RECOMPUTE
-    asked = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    budget = asked - reserved if asked else 0  # 0: the least memory, whatever is reserved
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
     if not torch.is_grad_enabled() or not (
             e.requires_grad or c.requires_grad or (bias is not None and bias.requires_grad)):
-        return Strategy(room=max(int(budget), 0))  # forward only: statistics, nothing saved
+        return Strategy(room=int(budget))  # forward only: statistics, nothing saved
     cfg = backend.default_config(e.device)
     world = communication.world_size(group)
     # the saved tiles and dlogits chunks are fp32 when either operand is (an fp32 head)
@@ -202,9 +199,9 @@ def choose_strategy(backend, e, c, bias, reduction: str, sequence_parallel: bool
     # rows, at least one: what it then holds beside the fp32 dE is checked against the budget)
     narrow = max(1, int(budget) - de_hold)
     held = max(de_hold + fallback_chunk_bytes(n, v, size, narrow, cfg), de_round)
-    if asked and budget < held:  # 0 asks for the least memory: no bound to break
-        _warn_below_floor(int(asked), held + reserved, n, h)
-    return Strategy(chunk_bytes=narrow, room=max(int(budget), 0))
+    if 0 < budget < held:  # 0 asks for the least memory: no bound to break
+        _warn_below_floor(int(budget), held, n, h)
+    return Strategy(chunk_bytes=narrow, room=int(budget))
 
 
 def _warn_below_floor(budget: int, held: int, n: int, h: int) -> None:
@@ -213,8 +210,7 @@ def _warn_below_floor(budget: int, held: int, n: int, h: int) -> None:
     warnings.warn(
         f"memory_budget={budget} bytes is below the least the fused linear engine holds for "
         f"{n} rows of hidden size {h}: {held} bytes (the fp32 (N, H) dE that the recomputed "
-        "logits add into, beside one tile of columns of dlogits; with a shift, also the "
-        "shifted rows and dE it copies). This call holds that much and "
+        "logits add into, beside one tile of columns of dlogits). This call holds that much and "
         "recomputes in chunks one tile wide, its slowest schedule. Give at least that budget, "
         "or memory_budget=0 for the least memory without this warning.", RuntimeWarning,
         stacklevel=2)
@@ -236,25 +232,3 @@ def recompute_de_bytes(n: int, h: int, size: int, need_de: bool,
         return de32, de32
     hold = max(de32 - n * h * size, 0)  # ``size``: the input's element size
     return hold, (de32 if size < 4 else hold)
-
-
-def shift_bytes(e: torch.Tensor, shift: int, seq_dim: int, sp_world: int = 1) -> int:
-    """What ``shift`` adds beyond the inputs and the gradients returned, held through backward
-    beside whatever the strategy holds (``choose_strategy``'s ``reserved``): the shifted rows of
-    ``e`` where they are not one block of it (a shift along a sequence dim after a batch dim of
-    more than one: ``reshape`` copies them); and, when dE is returned, what its unshifting
-    adds: the fp32 padded dE of the gathered rows under sequence parallelism (``sp_world``
-    ranks; it is formed before the reduce-scatter), else the shifted dE beside the unshifted
-    one it is copied into, in fp32 for fp32 inputs, else in the input dtype (exact where the
-    shifted dE is already final, every column saved without TP; an over-count elsewhere)."""
-    if not shift or e.dim() < 2:
-        return 0
-    dim = seq_dim % e.dim()
-    h, size = e.shape[-1], e.element_size()
-    full = e.numel() // max(h, 1) * sp_world  # rows, gathered under sequence parallelism
-    length = e.shape[dim] * sp_world  # (sequence parallelism gathers along the shifted dim 0)
-    kept = full // max(length, 1) * max(length - shift, 0)
-    copied = kept * h * size if sp_world == 1 and any(n > 1 for n in e.shape[:dim]) else 0
-    if not e.requires_grad:
-        return copied
-    return copied + (full * h * 4 if sp_world > 1 else kept * h * size)

@@ -22,7 +22,6 @@ class LinearLossOptions:
     ignore_index: int
     softcap: Optional[float]
     reduction: str
-    shift: int
     group: object
     sequence_parallel: bool  # True only with a group of more than one rank
     smoothing: float
@@ -33,7 +32,6 @@ class LinearLossOptions:
     saved_cols: Optional[int] = None  # "saved": the leading local columns saved (None: all)
     gif_rows: Optional[int] = None  # "grad_in_forward": rows per chunk (None: the config's)
     room: Optional[int] = None  # the forward's room beside what it holds (``Strategy.room``)
-    seq_dim: int = -2  # the dim of e that ``shift`` acts on: 0 with sequence_parallel ([s, b, h])
     main_grad: bool = False  # dC is added into ``c.main_grad``, not returned (``autograd.main_grad``)
     masked: bool = False  # "grad_in_forward" for a per-token loss, formed for its loss mask
     # (``masked.py``)

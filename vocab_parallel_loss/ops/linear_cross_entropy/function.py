@@ -35,38 +35,37 @@ from ..fused_linear import compiled_checks
 from ..fused_linear.columns import backward_columns, forward_columns
 from ...autograd.main_grad import dummy as main_grad_dummy, home as main_grad_home
 from ...autograd.first_order import consume, refuse_double_backward, refuse_if_consumed
-from ..fused_linear.strategy import choose_strategy, gif_round_dc_first, shift_bytes
+from ..fused_linear.strategy import choose_strategy, gif_round_dc_first
 from . import contract, masked
 from .formed import round_formed
 from .contract import LinearLossOptions
 
 
 def _rows(e: torch.Tensor, targets: torch.Tensor, o: LinearLossOptions):
-    """Gather (sequence parallel), shift and flatten: ``(N, H)`` rows and ``(N,)`` targets."""
+    """Gather (sequence parallel) and flatten: ``(N, H)`` rows, ``(N,)`` targets and the
+    gathered shape of ``e``."""
     if o.sequence_parallel:
         # every rank sends the rows the (same) targets give it: see communication.check_shapes
         rows = targets.shape[0] // communication.world_size(o.group)
         e = communication.gather_along_first_dim(e, o.group, rows)
-    full_shape = e.shape
-    if o.shift:
-        dim = o.seq_dim % e.dim()
-        kept = max(e.shape[dim] - o.shift, 0)
-        e = e.narrow(dim, 0, kept)
-        targets = _shifted(targets, dim, kept)
-    return e.reshape(-1, e.shape[-1]), targets.reshape(-1), full_shape, e.shape
+    return e.reshape(-1, e.shape[-1]), targets.reshape(-1), e.shape
 
 
-def _shifted(targets: torch.Tensor, dim: int, kept: int) -> torch.Tensor:
-    """The last ``kept`` positions of ``targets`` (or of a loss mask) along ``dim``."""
-    return targets.narrow(dim, targets.shape[dim] - kept, kept)
+def _shifted(x: torch.Tensor, dim: int, shift: int, fill) -> torch.Tensor:
+    """``x`` (targets or a loss mask) moved ``shift`` positions back along ``dim``, the last
+    ``shift`` positions ``fill``: position i holds what position i + shift held. ``shift``
+    then needs no other change: the hidden states and their gradient keep every position, the
+    last ones ignored (their gradient exactly 0), and no shifted copy of either is made."""
+    kept = max(x.shape[dim] - shift, 0)
+    out = torch.full_like(x, fill)
+    out.narrow(dim, 0, kept).copy_(x.narrow(dim, x.shape[dim] - kept, kept))
+    return out
 
 
-def _mask_rows(loss_mask: torch.Tensor, e: torch.Tensor, o: LinearLossOptions) -> torch.Tensor:
-    """The loss mask as ``_rows`` lays out the targets: shifted, flattened, fp32."""
-    if o.shift:  # (the mask has the targets' shape: the gathered one under sequence parallelism)
-        dim = o.seq_dim % e.dim()
-        loss_mask = _shifted(loss_mask, dim, max(loss_mask.shape[dim] - o.shift, 0))
-    return loss_mask.reshape(-1).to(torch.float32)
+def _kept(x: torch.Tensor, dim: int, shift: int) -> torch.Tensor:
+    """The positions of a per-token output that ``shift`` keeps (all but the last ``shift``
+    along ``dim``), contiguous as every output is."""
+    return x.narrow(dim, 0, max(x.shape[dim] - shift, 0)).contiguous()
 
 
 def _shapes(e: torch.Tensor, c: torch.Tensor, targets: torch.Tensor, o: LinearLossOptions) -> tuple:
@@ -139,9 +138,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         v_global = v_local * world
         v_offset = rank * v_local
         shapes = _shapes(e, c, targets, o)
-        e2, t2, full_shape, shifted_shape = _rows(e, targets, o)
+        e2, t2, full_shape = _rows(e, targets, o)
         kept = (None, None, None)  # grad_in_forward: the gradients; saved: u, tile maxima, x_t
-        mask = _mask_rows(loss_mask, e, o) if o.masked else None
+        mask = loss_mask.reshape(-1).to(torch.float32) if o.masked else None
         if o.strategy == "grad_in_forward":
             row_stats, kept, gathered = _forward_with_grads(ctx, e2, c, bias, t2, o, v_global,
                                                             v_offset, shapes, mask)
@@ -168,13 +167,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.formed, kept = list(kept), (() if mask is None else (mask,))
         ctx.save_for_backward(e, c, bias, targets, lse, count, *kept)
         ctx.o = o
-        ctx.meta = (v_global, v_offset, full_shape, shifted_shape)
+        ctx.meta = (v_global, v_offset, full_shape)
 
-        lse_out = lse.view(shifted_shape[:-1])
+        lse_out = lse.view(full_shape[:-1])
         if compiling():  # dynamo rejects a saved tensor that is also (a view of) an output
             lse_out = lse_out.clone()
         if o.reduction == "none":
-            out = loss.view(shifted_shape[:-1])
+            out = loss.view(full_shape[:-1])
         elif o.reduction == "sum":
             out = loss.sum()
         else:
@@ -188,7 +187,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         refuse_if_consumed(ctx, "linear_cross_entropy")
         e, c, bias, targets, lse, count, *kept = ctx.saved_tensors
         o: LinearLossOptions = ctx.o
-        v_global, v_offset, full_shape, shifted_shape = ctx.meta
+        v_global, v_offset, full_shape = ctx.meta
         need_de, need_dc, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], (
             bias is not None and ctx.needs_input_grad[2])
         if grad_loss is None and grad_lse is None:
@@ -197,7 +196,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if o.strategy == "saved":
             consume(ctx, "its saved logits")
             u, tile_max, x_t = kept
-            e2, t2, _, _ = _rows(e, targets, o)
+            e2, t2, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None,
                          x_t=x_t)
@@ -209,7 +208,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         elif o.masked:
             consume(ctx, "the gradients formed in forward")
             formed, ctx.formed = ctx.formed, None
-            e2, t2, _, _ = _rows(e, targets, o)
+            e2, t2, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
             de32, dc, db = masked.backward(formed, grad_loss, grad_lse, coef, e, e2, c, bias, t2,
@@ -223,7 +222,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                                             lse, v_global, v_offset, o, need_de, need_dc,
                                             need_db, home)
         else:
-            e2, t2, _, _ = _rows(e, targets, o)
+            e2, t2, _ = _rows(e, targets, o)
             coef = _coef(lse, _token_grad(grad_loss, t2, count, o, lse.dtype), o, v_global,
                          grad_lse.reshape(-1).to(lse.dtype) if grad_lse is not None else None)
             de32, dc, db = backward_columns(o.backend, e2, c, bias, t2, v_offset, coef, o.softcap,
@@ -236,17 +235,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if need_de:
             if not o.sequence_parallel:  # else the reduce-scatter below does the sum
                 de32 = communication.all_reduce_sum(de32, o.group)
-            if o.shift and not o.sequence_parallel:
-                # round straight into the input-dtype gradient: no fp32 copy of the full shape
-                de = _unshifted(de32, full_shape, shifted_shape, e.dtype, o.seq_dim)
-            else:
-                # the reduce-scatter splits the full sequence: pad it in fp32 first
-                de32 = (_unshifted(de32, full_shape, shifted_shape, de32.dtype, o.seq_dim)
-                        if o.shift else de32.view(full_shape))
-                if o.sequence_parallel:
-                    de32 = communication.reduce_scatter_along_first_dim(de32, o.group,
-                                                                        e.shape)
-                de = de32.to(e.dtype)
+            de32 = de32.view(full_shape)
+            if o.sequence_parallel:
+                de32 = communication.reduce_scatter_along_first_dim(de32, o.group, e.shape)
+            de = de32.to(e.dtype)
         if db is not None:
             db = db.to(bias.dtype)
         return de, dc, db, None, None, None
@@ -268,7 +260,7 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
         de32 = formed[0].mul_(gl) if need_de else None
         dc32 = formed[1].mul_(gl) if need_dc else None
         formed.clear()
-        e2, t2, _, _ = _rows(e, targets, o)  # the lse output's gradient: the usual recompute
+        e2, t2, _ = _rows(e, targets, o)  # the lse output's gradient: the usual recompute
         coef = _coef(lse, torch.zeros_like(lse), o, v_global, grad_lse.reshape(-1).float())
         x_de, _, x_db = o.backend.backward(e2, c, bias, t2, v_offset, coef, o.softcap, need_de,
                                            need_dc, need_db, dc_acc=dc32)
@@ -288,14 +280,6 @@ def _backward_formed(formed: list, grad_loss, grad_lse, e, c, bias, targets, lse
     de, dc = round_formed(formed, gl, e, c, home, o.backend, need_de, need_dc, dc_first)
     return de, dc, db
 
-
-def _unshifted(de32, full_shape, shifted_shape, dtype, seq_dim):
-    """The gradient of the shifted positions placed into the full sequence (0 for the last
-    positions, which ``shift`` drops), in ``dtype``."""
-    full = torch.zeros(tuple(full_shape), dtype=dtype, device=de32.device)
-    dim = seq_dim % len(full_shape)
-    full.narrow(dim, 0, shifted_shape[dim]).copy_(de32.view(shifted_shape))
-    return full
 
 
 def _token_grad(grad_loss, t2, count, o: LinearLossOptions, dtype):
@@ -386,31 +370,36 @@ def loss(e, c, targets, bias, ignore_index, softcap, reduction, shift, return_ls
             checks.check_target_range(targets, vocab, ignore_index)
     backend = backends.linear_backend(impl, e)
     sequence_parallel = bool(sequence_parallel)
+    # the sequence dim of the targets: 0 with sequence parallelism ([s, b]), else the last
+    seq_dim = 0 if sequence_parallel else targets.dim() - 1
+    shift = int(shift)
+    if shift:
+        targets = _shifted(targets, seq_dim, shift, ignore_index)
+        if loss_mask is not None:
+            loss_mask = _shifted(loss_mask, seq_dim, shift, 0)
     softcap = float(softcap) if softcap else None
     smoothing = float(label_smoothing)
-    world = communication.world_size(tp_group)
-    seq_dim = 0 if sequence_parallel else -2
-    reserved = shift_bytes(e, int(shift), seq_dim,
-                           world if sequence_parallel and world > 1 else 1)
     strategy = choose_strategy(backend, e, c, bias, reduction, sequence_parallel, tp_group,
                                softcap, smoothing, memory_budget, gradient_accumulation_fusion,
-                               masked=loss_mask is not None, invariant=batch_invariant,
-                               reserved=reserved)
+                               masked=loss_mask is not None, invariant=batch_invariant)
     masked_gif = loss_mask is not None and strategy.name == "grad_in_forward"
     o = LinearLossOptions(
-        ignore_index=ignore_index, softcap=softcap, reduction=reduction, shift=int(shift),
-        group=tp_group,
-        sequence_parallel=sequence_parallel and world > 1,
+        ignore_index=ignore_index, softcap=softcap, reduction=reduction, group=tp_group,
+        sequence_parallel=sequence_parallel and communication.world_size(tp_group) > 1,
         smoothing=smoothing, z_loss=float(z_loss), backend=backend,
         strategy=strategy.name, chunk_bytes=strategy.chunk_bytes,
         saved_cols=strategy.size if strategy.name == "saved" else None,
         gif_rows=strategy.size if strategy.name == "grad_in_forward" else None,
         room=strategy.room,
-        seq_dim=seq_dim, main_grad=gradient_accumulation_fusion,
+        main_grad=gradient_accumulation_fusion,
         masked=masked_gif, fp32_precision=fp32_precision, invariant=batch_invariant)
     mask = loss_mask.detach() if masked_gif else None  # (unused by the other strategies)
     if backend.TRACEABLE:  # plain PyTorch: Dynamo traces it into the graph
         out, lse = _LinearCrossEntropy.apply(e, c, bias, targets, o, mask)
     else:
         out, lse = untraced(_LinearCrossEntropy.apply, e, c, bias, targets, o, mask)
-    return (out, lse) if return_lse else out
+    if shift and reduction == "none":
+        out = _kept(out, seq_dim, shift)
+    if not return_lse:
+        return out
+    return out, (_kept(lse, seq_dim, shift) if shift else lse)

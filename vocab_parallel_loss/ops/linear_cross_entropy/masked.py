@@ -61,7 +61,7 @@ def upstream_scale(grad_loss, grad_lse, mask: torch.Tensor, valid: torch.Tensor)
 def backward(formed: list, grad_loss, grad_lse, coef: torch.Tensor, e, e2, c, bias, t2, mask,
              o, v_offset: int, world: int, need_de: bool, need_dc: bool, need_db: bool, home):
     """Gradients from ``formed``, the fp32 ``[dE, dC, dbias]`` formed in forward for the upstream
-    gradient ``mask`` (``(N,)`` fp32, the rows of ``e2``: ``e``'s gathered, shifted and
+    gradient ``mask`` (``(N,)`` fp32, the rows of ``e2``: ``e``'s gathered and
     flattened), or exact for any other (the module docstring). ``coef``: the recompute's ``(4,
     N)`` coefficients for the real upstream gradients (``function._coef``); ``o`` the call's
     ``LinearLossOptions``, ``world`` the TP group's size. Each accumulator is released once
