@@ -227,7 +227,7 @@ def check_frozen_hidden_states_budget(*, impl):
     rows = slice(rank * v_local, (rank + 1) * v_local)
     e = e_full.to(DEVICE)
     c = c_full[rows].to(DEVICE, copy=True).requires_grad_()
-    budget = K.saved_bytes(32, v_local, 4, K.default_config(DEVICE))
+    budget = K.saved_bytes(t.numel(), v_local, 4, K.default_config(DEVICE))  # every row's tiles
 
     def pick(e_):
         return strategy_mod.choose_strategy(K, e_, c, None, "mean", False, dist.group.WORLD,
