@@ -88,7 +88,8 @@ def main() -> None:
                             TGT=i64, STATS=f32,
                             U=fwd_u if store else f32, MT=f32, INV_T=f32, N=n, V=v, H=h,
                             stride_en=h, stride_eh=1, stride_cv=h, stride_ch=1, stride_t=1,
-                            stride_un=v, stride_it=1, v_offset=0, softcap=1.0, scale=1.0,
+                            stride_un=v, stride_it=1, stride_b=1, v_offset=0, softcap=1.0,
+                            scale=1.0,
                             tiles_per_split=7, n_splits=3, split0=0, c_first=0, n_rb=64, rb0=0)
                 consts = dict(HAS_BIAS=bias, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
                               BLOCK_N=cfg.fwd_block_n, BLOCK_V=cfg.fwd_block_v,
@@ -105,7 +106,8 @@ def main() -> None:
     for logprob in (False, True):
         args = dict(E=bwd_e, C=bwd_c, SE=f32, SC=f32, BIAS=e[0], TGT=i64, COEF=f32, D=e, DB=f32,
                     INV_T=f32, N=n, V=v, H=h, v_start=0, n_cols=v, stride_en=h, stride_eh=1,
-                    stride_cv=h, stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1, v_offset=0,
+                    stride_cv=h, stride_ch=1, stride_t=1, stride_dn=v, stride_db=v, stride_it=1,
+                    stride_b=1, v_offset=0,
                     softcap=1.0, scale=1.0, SKIP=f32)
         consts = dict(HAS_BIAS=True, HAS_SOFTCAP=False, LOGPROB=logprob, EVEN_H=True,
                       BLOCK_N=cfg.bwd_block_n, BLOCK_V=cfg.bwd_block_v, BLOCK_H=cfg.bwd_block_h,
@@ -133,7 +135,8 @@ def fp32_head(cfg, n, h, v, f32, i64) -> None:
         args = dict(E=e, C=f32, E_LO=e, C_LO=f32, SE=f32, SC=f32, BIAS=f32, TGT=i64, STATS=f32,
                     U=f32, MT=f32, INV_T=f32, N=n, V=v, H=h, stride_en=h, stride_eh=1,
                     stride_cv=h, stride_ch=1, stride_t=1, stride_un=v, stride_it=1, v_offset=0,
-                    softcap=1.0, scale=1.0, tiles_per_split=7, n_splits=3, split0=0, c_first=0, n_rb=64, rb0=0)
+                    stride_b=1, softcap=1.0, scale=1.0, tiles_per_split=7, n_splits=3, split0=0,
+                    c_first=0, n_rb=64, rb0=0)
         consts = dict(HAS_BIAS=False, HAS_SOFTCAP=False, NEED_SUMX=False, EVEN_H=True,
                       BLOCK_N=wide.fwd_block_n, BLOCK_V=wide.fwd_block_v, BLOCK_H=wide.fwd_block_h,
                       GROUP_N=wide.fwd_group_n, DOT_PREC=mode, UPCAST=False, DESC=False,

@@ -194,6 +194,27 @@ def test_strided_inputs(impl):
     assert_grads_close(grads, wgrads, torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["every-other", "expanded"])
+def test_strided_bias(impl, layout):
+    """A bias view with a stride other than 1 is read at its strides: every other element of a
+    longer vector, or one value expanded over the vocabulary (stride 0)."""
+    g = torch.Generator().manual_seed(5)
+    e, c, _, t = make(seed=5)
+    store = torch.randn(2 * 53 if layout == "every-other" else 1, generator=g).requires_grad_()
+    b = store[::2] if layout == "every-other" else store.expand(53)
+    assert b.stride(0) != 1
+    out = linear_cross_entropy(e, c, t, b, impl=impl, reduction="mean", softcap=6.0)
+    grads = torch.autograd.grad(out, (e, c, store))
+    want, wgrads = reference_grads(e, c, t, b, reduction="mean", softcap=6.0)
+    torch.testing.assert_close(out.detach().double(), want, atol=2e-5, rtol=2e-5)
+    dstore = torch.zeros(store.shape, dtype=torch.float64)
+    if layout == "every-other":
+        dstore[::2] = wgrads[2]
+    else:
+        dstore[0] = wgrads[2].sum()
+    assert_grads_close(grads, (*wgrads[:2], dstore), torch.float32)
+
+
 def test_impls_agree_and_only_needed_grads(impl):
     e, c, b, t = make(bias=True)
     c2 = c.detach()  # no grad for c: the kernel skips dC

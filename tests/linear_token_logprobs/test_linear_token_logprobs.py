@@ -45,6 +45,29 @@ def test_from_hidden_matches_oracle(impl, dtype, softcap, scale, bias, monkeypat
         torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("memory_budget", [None, 0])
+def test_strided_bias_is_read_at_its_strides(impl, memory_budget):
+    """A bias taking every other element of a longer vector: log-probs, entropy and the bias
+    gradient as for its contiguous copy, with the logits tiles saved or recomputed."""
+    g = torch.Generator().manual_seed(6)
+    e = torch.randn(9, 16, generator=g, requires_grad=True)
+    c = (torch.randn(45, 16, generator=g) * 0.5).requires_grad_()
+    store = (torch.randn(90, generator=g) * 0.3).requires_grad_()
+    t = torch.randint(0, 45, (9,), generator=g)
+    out = linear_token_logprobs(e, c, t, store[::2], return_entropy=True,
+                                memory_budget=memory_budget)
+    ins64 = [x.detach().double().requires_grad_() for x in (e, c, store)]
+    lp, ent, _ = oracle(ins64[0] @ ins64[1].t() + ins64[2][::2], t, 1.0)
+    tol = TOL[torch.float32]
+    torch.testing.assert_close(out.log_probs.double(), lp, atol=tol * 10, rtol=tol * 10)
+    torch.testing.assert_close(out.entropy.double(), ent, atol=tol * 10, rtol=tol * 10)
+    g_lp, g_ent = torch.randn(9, generator=g), torch.randn(9, generator=g)
+    got = _grads((out.log_probs, out.entropy), (e, c, store), g_lp, g_ent)
+    want = _grads((lp, ent), ins64, g_lp.double(), g_ent.double())
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0)
+
+
 def _kernels_or_skip():
     from vocab_parallel_loss import backends
     from vocab_parallel_loss.settings import interpreting

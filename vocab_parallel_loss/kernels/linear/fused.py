@@ -140,14 +140,14 @@ def _logits_tile(E, C, SE, SC, rows_ld, cols_ld, row0, col0, H, stride_en, strid
 
 
 @triton.jit
-def _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS: tl.constexpr,
+def _tile_logits(x, vt, V, BIAS, stride_b, softcap, t_local, tg, sx, HAS_BIAS: tl.constexpr,
                  HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
     """The logits the loss sees of the fp32 tile ``x`` of vocabulary tile ``vt`` (bias,
     softcap; -inf past V), with the target logit and the sum of logits folded in."""
     cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     if HAS_BIAS:
-        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64) * stride_b).to(tl.float32)
         x += b[None, :]
     if HAS_SOFTCAP:
         x = softcap * tanh(x / softcap)
@@ -160,27 +160,28 @@ def _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS: tl.constexp
 
 
 @triton.jit
-def _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
+def _fold_tile(x, vt, V, BIAS, stride_b, softcap, t_local, m, s, tg, sx, HAS_BIAS: tl.constexpr,
                HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr, BLOCK_V: tl.constexpr):
     """Fold the fp32 logits tile ``x`` of vocabulary tile ``vt`` into the online statistics."""
-    x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
-                             NEED_SUMX, BLOCK_V)
+    x, tg, sx = _tile_logits(x, vt, V, BIAS, stride_b, softcap, t_local, tg, sx, HAS_BIAS,
+                             HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
     m_new = tl.maximum(m, tl.max(x, axis=1))  # finite: m starts at LOWEST (_lce_fwd_kernel)
     s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
     return m_new, s, tg, sx
 
 
 @triton.jit
-def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, MT, stride_un,
-                     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr,
+def _fold_store_tile(x, rb, vt, N, V, BIAS, stride_b, softcap, t_local, m, s, tg, sx, U, MT,
+                     stride_un, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                     NEED_SUMX: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+                     DESC_U: tl.constexpr,
                      WRITE: tl.constexpr = True):
     """``_fold_tile`` that also saves the tile for backward: ``u = exp(x - mt)`` in U's dtype
     (in (0, 1], so bf16 keeps 8 bits of every probability) and the tile's row max ``mt`` in
     ``MT[vt, rows]``; the statistics are folded from the fp32 values. Without ``WRITE`` nothing
     is saved: the same statistics, rounded as when the tile is saved (``SAVED_FOLD``)."""
-    x, tg, sx = _tile_logits(x, vt, V, BIAS, softcap, t_local, tg, sx, HAS_BIAS, HAS_SOFTCAP,
-                             NEED_SUMX, BLOCK_V)
+    x, tg, sx = _tile_logits(x, vt, V, BIAS, stride_b, softcap, t_local, tg, sx, HAS_BIAS,
+                             HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
     rows = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     mt = tl.max(x, axis=1)
@@ -203,7 +204,7 @@ def _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx, U, M
 
 
 @triton.jit
-def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, w, tg,
+def _fold_logprob_tile(x, rb, vt, N, V, BIAS, stride_b, softcap, scale, inv_t, t_local, m, s, w, tg,
                        best_col, U, MT, stride_un, HAS_BIAS: tl.constexpr,
                        HAS_SOFTCAP: tl.constexpr, NEED_ARGMAX: tl.constexpr, STORE: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr):
@@ -215,7 +216,7 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
     cols = vt * BLOCK_V + tl.arange(0, BLOCK_V)
     col_mask = cols < V
     if HAS_BIAS:
-        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64) * stride_b).to(tl.float32)
         x += b[None, :]
     x = x * scale
     if HAS_SOFTCAP:
@@ -254,10 +255,10 @@ def _fold_logprob_tile(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m,
 
 
 @triton.jit
-def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col, U, MT,
-          stride_un, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
-          LOGPROB: tl.constexpr, NEED_ARGMAX: tl.constexpr, STORE: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr,
+def _fold(x, rb, vt, N, V, BIAS, stride_b, softcap, scale, inv_t, t_local, m, s, tg, sx,
+          best_col, U, MT, stride_un, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+          NEED_SUMX: tl.constexpr, LOGPROB: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+          STORE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, DESC_U: tl.constexpr,
           SAVED_FOLD: tl.constexpr = False):
     """One tile into the running statistics: the loss's (``sx``: sum of logits) or, with
     ``LOGPROB``, the log-prob's (``sx``: the entropy's ``w``). ``SAVED_FOLD``: the loss folds
@@ -266,15 +267,16 @@ def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, b
     ``STORE`` already)."""
     if LOGPROB:
         m, s, sx, tg, best_col = _fold_logprob_tile(
-            x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, sx, tg, best_col, U,
-            MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U)
+            x, rb, vt, N, V, BIAS, stride_b, softcap, scale, inv_t, t_local, m, s, sx, tg,
+            best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_ARGMAX, STORE, BLOCK_N,
+            BLOCK_V, DESC_U)
     elif STORE or SAVED_FOLD:
-        m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, softcap, t_local, m, s, tg, sx,
-                                        U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX,
-                                        BLOCK_N, BLOCK_V, DESC_U, STORE)
+        m, s, tg, sx = _fold_store_tile(x, rb, vt, N, V, BIAS, stride_b, softcap, t_local, m,
+                                        s, tg, sx, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP,
+                                        NEED_SUMX, BLOCK_N, BLOCK_V, DESC_U, STORE)
     else:
-        m, s, tg, sx = _fold_tile(x, vt, V, BIAS, softcap, t_local, m, s, tg, sx, HAS_BIAS,
-                                  HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
+        m, s, tg, sx = _fold_tile(x, vt, V, BIAS, stride_b, softcap, t_local, m, s, tg, sx,
+                                  HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, BLOCK_V)
     return m, s, tg, sx, best_col
 
 
@@ -282,7 +284,7 @@ def _fold(x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, b
 def _lce_fwd_kernel(
     E, C, E_LO, C_LO, SE, SC, BIAS, TGT, STATS, U, MT, INV_T,
     N, V, H,
-    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un, stride_it,
+    stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_un, stride_it, stride_b,
     v_offset, softcap, scale, tiles_per_split, n_splits, split0, c_first, n_rb, rb0,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUMX: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -350,9 +352,9 @@ def _lce_fwd_kernel(
                     _, rc = load_scales(SC, tl.where(cols < V, cols, 0), DOT_PREC)
                     acc = unscale(acc, re, rc, DOT_PREC)
                 m, s, tg, sx, best_col = _fold(
-                    acc, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx,
-                    best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB,
-                    NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U, SAVED_FOLD)
+                    acc, rb, vt, N, V, BIAS, stride_b, softcap, scale, inv_t, t_local, m, s,
+                    tg, sx, best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX,
+                    LOGPROB, NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U, SAVED_FOLD)
                 acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
     else:
         for vt in range(t_begin, t_end):
@@ -362,9 +364,9 @@ def _lce_fwd_kernel(
                              stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
                              BLOCK_H, DOT_PREC, UPCAST, DESC)
             m, s, tg, sx, best_col = _fold(
-                x, rb, vt, N, V, BIAS, softcap, scale, inv_t, t_local, m, s, tg, sx, best_col,
-                U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB, NEED_ARGMAX, STORE,
-                BLOCK_N, BLOCK_V, DESC_U, SAVED_FOLD)
+                x, rb, vt, N, V, BIAS, stride_b, softcap, scale, inv_t, t_local, m, s, tg, sx,
+                best_col, U, MT, stride_un, HAS_BIAS, HAS_SOFTCAP, NEED_SUMX, LOGPROB,
+                NEED_ARGMAX, STORE, BLOCK_N, BLOCK_V, DESC_U, SAVED_FOLD)
 
     m = tl.where(s == 0.0, float("-inf"), m)  # no finite logit: the merges' max of -inf
     if LOGPROB:  # kernels/logprobs.py's five rows: m, s, w, target x, global column of the max
@@ -383,7 +385,7 @@ def _lce_fwd_kernel(
 
 
 @triton.jit
-def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
+def _dlogits_tile_out(z, rb, cb, BIAS, stride_b, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
                       stride_t, stride_dn, stride_db, stride_it, v_offset, softcap, scale,
                       HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGPROB: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -398,7 +400,7 @@ def _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n
     col_mask = ccols < n_cols
     cols = v_start + ccols  # local vocabulary column
     if HAS_BIAS:
-        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64)).to(tl.float32)
+        b = tl.load(BIAS + tl.where(col_mask, cols, 0).to(tl.int64) * stride_b).to(tl.float32)
         z += b[None, :]
 
     r64 = rows_ld.to(tl.int64)
@@ -448,6 +450,7 @@ def _lce_dlogits_kernel(
     E, C, SE, SC, BIAS, TGT, COEF, D, DB, INV_T,
     N, V, H, v_start, n_cols,
     stride_en, stride_eh, stride_cv, stride_ch, stride_t, stride_dn, stride_db, stride_it,
+    stride_b,
     v_offset, softcap, scale,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, LOGPROB: tl.constexpr,
     EVEN_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -471,7 +474,7 @@ def _lce_dlogits_kernel(
     z = _logits_tile(E, C, SE, SC, rows_ld, cols_ld, rb * BLOCK_N, v_start + cb * BLOCK_V, H,
                      stride_en, stride_eh, stride_cv, stride_ch, EVEN_H, BLOCK_N, BLOCK_V,
                      BLOCK_H, DOT_PREC, UPCAST, DESC)
-    _dlogits_tile_out(z, rb, cb, BIAS, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
+    _dlogits_tile_out(z, rb, cb, BIAS, stride_b, TGT, COEF, D, DB, INV_T, N, V, v_start, n_cols,
                       stride_t, stride_dn, stride_db, stride_it, v_offset, softcap, scale,
                       HAS_BIAS, HAS_SOFTCAP, LOGPROB, BLOCK_N, BLOCK_V)
 
@@ -677,6 +680,7 @@ def forward_stats(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor]
             N, V, H,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0),
             saved.u.stride(0) if saved is not None else 0, stride_it,
+            bias.stride(0) if bias is not None else 0,
             v_offset, float(softcap) if softcap else 1.0, scale, tiles_per_split, n_splits,
             split0, c_first, n_rb, rb0,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap),
@@ -891,7 +895,8 @@ def backward(e: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
             db_part if db_part is not None else coef, inv_t,
             N, V, H, v0, nc,
             e.stride(0), e.stride(1), c.stride(0), c.stride(1), targets.stride(0), d.stride(0), vc,
-            stride_it, v_offset, float(softcap) if softcap else 1.0, scale,
+            stride_it, bias.stride(0) if bias is not None else 0, v_offset,
+            float(softcap) if softcap else 1.0, scale,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=bool(softcap), LOGPROB=logprob is not None,
             EVEN_H=H % BH == 0, BLOCK_N=BN, BLOCK_V=BV, BLOCK_H=BH, GROUP_N=cfg.bwd_group_n,
             DOT_PREC=dot_prec, UPCAST=upcast(), DESC=desc,
