@@ -171,6 +171,38 @@ def test_out_of_range_target_is_nan_without_oob_read(impl):
     assert torch.isnan(linear_cross_entropy(e, c, t, impl=impl))
 
 
+OUT_OF_RANGE_CASES = [("none", False), ("none", True), ("mean", False)]
+
+
+@pytest.mark.parametrize("reduction,masked", OUT_OF_RANGE_CASES)
+def test_out_of_range_target_gradient_is_nan_as_over_logits(impl, reduction, masked):
+    check_out_of_range_gradient(impl, reduction, masked)
+
+
+def check_out_of_range_gradient(impl, reduction, masked):
+    """As for the loss over the logits: the token's loss, lse and dlogits row are NaN, so its
+    row of dE and all of dC and dbias are NaN; every other row of dE is exact."""
+    e, c, b, t = make(bias=True)
+    t[4] = 53
+    bad = torch.zeros(t.shape, dtype=torch.bool)
+    bad[4] = True
+    mask = (torch.arange(t.numel()) % 3 != 0).float() if masked else None
+    out, lse = linear_cross_entropy(e, c, t, b, impl=impl, reduction=reduction, return_lse=True,
+                                    loss_mask=mask)
+    assert torch.isnan(lse[4]) and not torch.isnan(lse[~bad]).any()
+    g = mask if masked else (torch.randn(t.shape, generator=torch.Generator().manual_seed(7))
+                             if reduction == "none" else None)
+    de, dc, db = torch.autograd.grad(out, (e, c, b), g)
+    assert torch.isnan(de[4]).all() and torch.isnan(dc).all() and torch.isnan(db).all()
+    # the other rows of dE: those of the loss without the bad token (dE's rows are per token)
+    t_ok = torch.where(bad, torch.full_like(t, -100), t)
+    up = None if g is None else torch.where(bad, 0.0, g)
+    if reduction == "mean":  # the same divisor: the bad token is counted
+        up = torch.full(t.shape, 1.0 / (t != -100).sum().item())
+    _, (wde, _, _) = reference_grads(e, c, t_ok, b, upstream=up, reduction="none")
+    assert_grads_close((de[~bad],), (wde[~bad],), torch.float32)
+
+
 def test_deterministic_bitwise(impl):
     e, c, b, t = make(bias=True, dtype=torch.bfloat16)
     r1 = run(e, c, b, t, impl, reduction="mean", label_smoothing=0.1)
@@ -465,6 +497,12 @@ def grad_in_forward(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grad_in_forward_matches_oracle(grad_in_forward, case, dtype):
     check("triton", dtype, **case)
+    assert grad_in_forward, "the grad-in-forward path did not run"
+
+
+@pytest.mark.parametrize("reduction,masked", [("none", True), ("mean", False)])
+def test_grad_in_forward_out_of_range_target_gradient_is_nan(grad_in_forward, reduction, masked):
+    check_out_of_range_gradient("triton", reduction, masked)
     assert grad_in_forward, "the grad-in-forward path did not run"
 
 

@@ -158,8 +158,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if o.strategy == "saved":
                 kept = (saved.u, saved.tile_max, row_stats[2])
         m = _check_shapes(gathered, row_stats[0], shapes, o.group)
-        loss, lse, ignored, _ = token_loss(t2, m, *row_stats[1:], v_global, o.ignore_index,
-                                           o.smoothing, o.z_loss)
+        loss, lse, ignored, bad = token_loss(t2, m, *row_stats[1:], v_global, o.ignore_index,
+                                             o.smoothing, o.z_loss)
+        # a target outside the vocabulary: NaN lse and gradient, as the loss over logits gives
+        lse = _nan_unless(~bad, lse)
 
         count = (~ignored).sum() if o.reduction == "mean" else None
         if o.strategy == "grad_in_forward":
@@ -323,6 +325,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
     else:
         scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
     g = torch.where(valid, scale, torch.zeros((), dtype=f32, device=dev))
+    g = _nan_unless(~(valid & ((t2 < 0) | (t2 >= v_global))), g)  # the NaN lse's gradient
     row_stats = torch.empty((4, n), dtype=f32, device=dev)
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None
