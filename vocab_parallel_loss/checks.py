@@ -58,7 +58,9 @@ def check_ignore_index(ignore_index) -> int:
     return value
 
 
-def _number(name: str, value) -> float:
+def number(name: str, value) -> float:
+    """``value`` as a float, or ``TypeError`` naming ``name`` (a string, None, anything
+    ``float()`` refuses)."""
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{name} must be a number, got {value!r}")
     try:
@@ -68,7 +70,7 @@ def _number(name: str, value) -> float:
 
 
 def check_smoothing(label_smoothing: float) -> None:
-    if not 0.0 <= _number("label_smoothing", label_smoothing) <= 1.0:  # NaN fails too
+    if not 0.0 <= number("label_smoothing", label_smoothing) <= 1.0:  # NaN fails too
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
 
 
@@ -103,14 +105,14 @@ def check_target_range(target: torch.Tensor, vocab_size: int, ignore_index: int)
 
 
 def check_z_loss(z_loss: float) -> None:
-    if not 0.0 <= _number("z_loss", z_loss) < math.inf:  # NaN fails too
+    if not 0.0 <= number("z_loss", z_loss) < math.inf:  # NaN fails too
         raise ValueError(f"z_loss must be finite and >= 0, got {z_loss}")
 
 
 def check_memory_budget(memory_budget) -> None:
     if isinstance(memory_budget, bool):
         raise TypeError(f"memory_budget must be None or a number of bytes, got {memory_budget!r}")
-    if memory_budget is not None and not 0.0 <= _number("memory_budget", memory_budget) < math.inf:
+    if memory_budget is not None and not 0.0 <= number("memory_budget", memory_budget) < math.inf:
         raise ValueError(f"memory_budget must be None or a finite number of bytes >= 0, "
                          f"got {memory_budget}")
 
@@ -135,7 +137,7 @@ def check_main_grad(c: torch.Tensor, gradient_accumulation_fusion, name: str = "
 
 
 def check_softcap(softcap) -> None:
-    if softcap is not None and not 0.0 < _number("softcap", softcap) < math.inf:
+    if softcap is not None and not 0.0 < number("softcap", softcap) < math.inf:
         raise ValueError(f"softcap must be None or finite and > 0, got {softcap}")
 
 

@@ -68,6 +68,14 @@ def test_strided_bias_is_read_at_its_strides(impl, memory_budget):
         torch.testing.assert_close(a.double(), w, atol=tol * 100 * w.abs().max().item(), rtol=0)
 
 
+@pytest.mark.parametrize("kw", [dict(softcap="a"), dict(logit_scale=None), dict(logit_scale="a"),
+                                dict(ignore_index=None)])
+def test_argument_errors_name_the_argument(kw):
+    e, c, t = torch.randn(5, 8), torch.randn(11, 8), torch.tensor([1, 2, 3, 4, 5])
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        linear_token_logprobs(e, c, t, impl="torch", **kw)
+
+
 def _kernels_or_skip():
     from vocab_parallel_loss import backends
     from vocab_parallel_loss.settings import interpreting

@@ -155,8 +155,35 @@ def test_errors_name_the_argument():
         token_logprobs(z, t, vocab_range=(0, 9))
     with pytest.raises(TypeError, match="target"):
         token_logprobs(z, t.float())
-    with pytest.raises(ValueError, match="ignore_index"):
+    with pytest.raises(TypeError, match="ignore_index"):
         token_logprobs(z, t, ignore_index=-100.5)
+
+
+@pytest.mark.parametrize("kw,error", [
+    (dict(ignore_index=None), TypeError), (dict(ignore_index="x"), TypeError),
+    (dict(ignore_index=2 ** 70), ValueError), (dict(temperature=None), TypeError),
+    (dict(temperature="x"), TypeError), (dict(vocab_range=(0,)), TypeError),
+    (dict(vocab_range=(0.0, 5.0)), TypeError),
+])
+def test_argument_errors_match_the_losses(kw, error):
+    """The checks the losses make, with the same exception type and the argument named."""
+    z, t = torch.randn(3, 5), torch.tensor([1, 2, 3])
+    with pytest.raises(error, match=next(iter(kw))):
+        token_logprobs(z, t, **kw)
+
+
+def test_bool_targets_are_refused_as_by_the_losses():
+    z, t = torch.randn(3, 5), torch.tensor([True, False, True])
+    with pytest.raises(TypeError, match="target must be an integer tensor of class ids"):
+        token_logprobs(z, t)
+
+
+@pytest.mark.parametrize("shape", [(1,), (1, 1)])
+def test_temperature_tensor_of_one_element_is_one_temperature(impl, shape):
+    z, t = torch.randn(4, 9), torch.tensor([1, 2, 3, 0])
+    got = token_logprobs(z, t, temperature=torch.full(shape, 0.7), return_entropy=True)
+    want = token_logprobs(z, t, temperature=0.7, return_entropy=True)
+    assert torch.equal(got.log_probs, want.log_probs) and torch.equal(got.entropy, want.entropy)
 
 
 def test_torch_compile_matches_eager(impl):

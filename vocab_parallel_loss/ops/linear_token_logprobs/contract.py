@@ -24,9 +24,9 @@ def check(hidden, weight, bias, softcap, logit_scale, impl, memory_budget,
     checks.check_linear_dtypes(hidden, weight, bias, "hidden", "weight")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias must be (V_local,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
-        raise ValueError(f"softcap must be None or a finite float > 0, got {softcap}")
-    if not (math.isfinite(float(logit_scale)) and float(logit_scale) != 0):
+    checks.check_softcap(softcap)
+    scale = checks.number("logit_scale", logit_scale)
+    if not (math.isfinite(scale) and scale != 0):
         raise ValueError(f"logit_scale must be a finite non-zero float, got {logit_scale}")
     checks.check_memory_budget(memory_budget)
     checks.check_main_grad(weight, gradient_accumulation_fusion, "weight")

@@ -4,6 +4,7 @@ the arguments may be, the options type its Functions and backends take, and the 
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -52,9 +53,9 @@ def check(logits, tp_group) -> None:
 
 def flat_targets(target, lead, device) -> torch.Tensor:
     """``target`` checked against the inputs' leading dims, flat, as int64."""
-    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
-        raise TypeError(f"target must be an integer tensor, got "
-                        f"{getattr(target, 'dtype', type(target))}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be an integer tensor, got {type(target)}")
+    checks.check_target_dtype(target)  # as the losses: class ids, not bool
     if tuple(target.shape) != tuple(lead):
         raise ValueError(f"target shape {tuple(target.shape)} does not match the leading dims "
                          f"{tuple(lead)}")
@@ -73,14 +74,13 @@ def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
     ``batch_invariant`` (a bool, else ``TypeError``): the outputs of a token the same bits in
     any batch (``functional.token_logprobs``)."""
     checks.check_bool("batch_invariant", batch_invariant)
-    if isinstance(ignore_index, bool) or int(ignore_index) != ignore_index:
-        raise ValueError(f"ignore_index must be an int, got {ignore_index!r}")
+    ignore_index = checks.check_ignore_index(ignore_index)
     world = communication.world_size(group)
     if vocab_range is None:  # equal shards
         start = communication.rank(group) * v_local
         stop = start + v_local
     else:
-        start, stop = (int(x) for x in vocab_range)
+        start, stop = _vocab_range(vocab_range)
         if world == 1 and not 0 == start <= stop <= v_local:
             raise ValueError(f"vocab_range must be (0, stop) with stop <= V_local ({v_local}) "
                              f"without tensor parallelism, got {tuple(vocab_range)}")
@@ -88,6 +88,20 @@ def options(group, v_local, vocab_range, ignore_index, scale, softcap, rows,
     return LogprobOptions(group, start, valid, int(ignore_index), stop if world == 1 else 0,
                           scale, softcap, rows, (v_local, *seq_rows, start, stop),
                           batch_invariant)
+
+
+def _vocab_range(vocab_range) -> tuple:
+    """``(start, stop)`` from a pair of ints, or an error naming ``vocab_range``."""
+    try:
+        start, stop = vocab_range
+    except (TypeError, ValueError):
+        raise TypeError(f"vocab_range must be a pair (start, stop), got {vocab_range!r}") from None
+    try:
+        if isinstance(start, bool) or isinstance(stop, bool):
+            raise TypeError
+        return operator.index(start), operator.index(stop)
+    except TypeError:
+        raise TypeError(f"vocab_range must hold two ints, got {vocab_range!r}") from None
 
 
 def inverse_temperature(temperature, target, like):
@@ -104,14 +118,14 @@ def inverse_temperature(temperature, target, like):
             raise ValueError("temperature is not differentiated: pass it detached")
         if not temperature.is_floating_point():
             raise TypeError(f"temperature must be a float tensor, got {temperature.dtype}")
-        if temperature.numel() != 1 or temperature.dim() != 0:
-            if tuple(temperature.shape) != tuple(target.shape):
-                raise ValueError(f"a temperature tensor must have the target's shape "
-                                 f"{tuple(target.shape)}, got {tuple(temperature.shape)}")
+        if temperature.numel() != 1 and tuple(temperature.shape) != tuple(target.shape):
+            raise ValueError(f"a temperature tensor must have the target's shape "
+                             f"{tuple(target.shape)} or one element, got "
+                             f"{tuple(temperature.shape)}")
         inv = 1.0 / temperature.to(device=like.device, dtype=dtype).reshape(-1)
         usable = torch.isfinite(inv) & (inv > 0)
         return torch.where(usable, inv, torch.ones((), dtype=dtype, device=like.device)), ~usable
-    value = float(temperature)
+    value = checks.number("temperature", temperature)
     # as for a tensor, the inverse must be finite in the compute dtype: 1 / T of a T below
     # ~2.9e-39 overflows fp32
     if not (math.isfinite(value) and value > 0 and 1.0 / value <= torch.finfo(dtype).max):
