@@ -245,7 +245,8 @@ def linear_token_logprobs(
     inside, its gradient reduce-scattered back. A ``target`` whose dim 0 the group size does not
     divide raises ``ValueError``; a rank holding other rows raises it too, with every rank that
     has not used its own shapes on this group before, and the others get NaN outputs (no rank
-    is left waiting in a collective). ``weight`` is this rank's ``(V_local, H)`` rows,
+    is left waiting in the forward's collectives; a rank that raised runs no later one, so
+    treat the error as fatal to the job). ``weight`` is this rank's ``(V_local, H)`` rows,
     ``target`` has the (gathered) leading shape of ``hidden``, the same on every rank.
     ``temperature`` as for ``token_logprobs``: a NaN log-prob and entropy where a per-token
     temperature is not finite and > 0, and a NaN gradient where either is differentiated (the
