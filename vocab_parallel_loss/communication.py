@@ -137,6 +137,11 @@ def gathered_vocab(shapes: torch.Tensor) -> torch.Tensor:
     return shapes[-1, 4].to(torch.int64)
 
 
+class ShapesDiffer(ValueError):
+    """The ranks' shapes disagree (``check_shapes``), raised after the collective that
+    gathered them."""
+
+
 def shapes_agree(shapes: torch.Tensor, local: tuple) -> torch.Tensor:
     """Device bool scalar, the same on every rank (no host sync): with ``local`` of one or
     three slots, every rank's vocabulary columns equal ``local[0]``; of five (the log-prob
@@ -155,8 +160,8 @@ def shapes_agree(shapes: torch.Tensor, local: tuple) -> torch.Tensor:
 
 def check_shapes(gathered: torch.Tensor, k: int, n: int, local: tuple,
                  group: ProcessGroup) -> None:
-    """Raise ``ValueError`` when the shapes in ``gathered`` (``gather_stats`` of ``(k, n)``
-    statistics) disagree, as ``shapes_agree`` decides.
+    """Raise ``ShapesDiffer`` (a ``ValueError``) when the shapes in ``gathered``
+    (``gather_stats`` of ``(k, n)`` statistics) disagree, as ``shapes_agree`` decides.
 
     ``local`` is this rank's first slots (see ``SHAPE_SLOTS``): ``(vocabulary columns,)``,
     ``(vocabulary columns, sequence rows, rows the targets imply)`` or those and ``(start,
@@ -175,20 +180,20 @@ def check_shapes(gathered: torch.Tensor, k: int, n: int, local: tuple,
         before = [0] + [hi for _, hi in ranges[:-1]]
         if not all(lo == b and lo <= hi <= lo + c for (lo, hi), b, c in zip(ranges, before, vocab)):
             if all(r == (i * c, (i + 1) * c) for i, (r, c) in enumerate(zip(ranges, vocab))):
-                raise ValueError(
+                raise ShapesDiffer(
                     f"vocab shards differ across the tensor-parallel group: sizes per rank "
                     f"{vocab}; every rank must hold the same number of vocabulary columns (pad "
                     "the vocabulary), or pass vocab_range")
-            raise ValueError(
+            raise ShapesDiffer(
                 f"vocab_range of the ranks must tile [0, V) in rank order, each within its "
                 f"rank's columns: (start, stop) per rank {ranges}, columns per rank {vocab}")
     elif any(v != local[0] for v in vocab):
-        raise ValueError(
+        raise ShapesDiffer(
             f"vocab shards differ across the tensor-parallel group: sizes per rank {vocab}; "
             "every rank must hold the same number of vocabulary columns (pad the vocabulary)"
         )
     if len(local) > 1 and any(r[1] != local[2] for r in rows):
-        raise ValueError(
+        raise ShapesDiffer(
             f"sequence_parallel=True: the sequence shards of e differ from the targets: rows of e "
             f"per rank {[r[1] for r in rows]}, while the targets' dim 0 gives "
             f"{local[2]} rows to each of the {len(rows)} ranks; every rank must hold an equal "

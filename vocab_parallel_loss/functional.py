@@ -7,10 +7,12 @@ builds the options, picks the backend and strategy and runs the autograd Functio
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
+from . import communication
 from .ops import cross_entropy as _cross_entropy
 from .ops import linear_cross_entropy as _linear_cross_entropy
 from .ops import linear_token_logprobs as _linear_token_logprobs
@@ -54,8 +56,14 @@ def cross_entropy(
     shaped like ``target``, 0 for ignored tokens and not differentiable; it costs one more read
     of the logits.
     """
-    loss = _cross_entropy.loss(logits, target, tp_group, label_smoothing, ignore_index,
-                               reduction, z_loss, inplace_backward, check_targets)
+    try:
+        loss = _cross_entropy.loss(logits, target, tp_group, label_smoothing, ignore_index,
+                                   reduction, z_loss, inplace_backward, check_targets)
+    except communication.ShapesDiffer:
+        if return_lse:  # its gather runs on the other ranks: run it here too, then raise
+            with contextlib.suppress(communication.ShapesDiffer):
+                _cross_entropy.log_sum_exp(logits, target, tp_group, ignore_index)
+        raise
     if not return_lse:
         return loss
     return loss, _cross_entropy.log_sum_exp(logits, target, tp_group, ignore_index)

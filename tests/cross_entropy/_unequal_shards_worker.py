@@ -22,12 +22,14 @@ H = 8
 
 
 def outcome(fn, match: str) -> str:
+    """A tuple of outputs (the loss and the lse) is "nan" when every one is all NaN."""
     try:
-        loss = fn()
+        out = fn()
     except ValueError as ex:
         assert match in str(ex), ex
         return "raised"
-    return "nan" if bool(torch.isnan(loss).all()) else "value"
+    outs = out if isinstance(out, tuple) else (out,)
+    return "nan" if all(bool(torch.isnan(o).all()) for o in outs) else "value"
 
 
 def everyone(mine: str) -> list:
@@ -40,13 +42,13 @@ def expect(name: str, got: list, want: list) -> None:
     assert got == want, f"{name}: outcomes per rank {got}, expected {want}"
 
 
-def logits_loss(group, v_local, compiled=False):
+def logits_loss(group, v_local, compiled=False, **kw):
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(2, 3, v_local, generator=gen)
     t = torch.randint(0, 4 * dist.get_world_size(), (2, 3), generator=gen)
 
     def f(x, t):
-        return cross_entropy(x, t, tp_group=group)
+        return cross_entropy(x, t, tp_group=group, **kw)
 
     if compiled:
         torch._dynamo.reset()
@@ -106,6 +108,10 @@ def unequal_shard_checks():
                    new_group=True)
         yield case(f"shapes/{impl}/cross_entropy after a verified width", only_rank1,
                    lambda g: logits_loss(g, wide), vocab)
+        # with the lse, whose gather is a second collective: rank 1 runs it before raising,
+        # so that the others' lse is NaN too and the next case's collectives pair up
+        yield case(f"shapes/{impl}/cross_entropy and lse after a verified width", only_rank1,
+                   lambda g: logits_loss(g, wide, return_lse=True), vocab)
         yield case(f"shapes/{impl}/equal linear", ["value"] * world,
                    lambda g, impl=impl: linear_loss(g, 5, impl), vocab)
         yield case(f"shapes/{impl}/linear after a verified width", only_rank1,

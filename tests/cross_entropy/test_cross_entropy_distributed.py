@@ -53,4 +53,4 @@ def test_unequal_shards_raise_on_every_rank(results):
     names = [n for n in got if n.startswith("shapes/")]
     for name in names:
         check_passed(got, name)
-    assert len(names) == 8 + 10  # Triton: 8 cases; PyTorch: those and 2 under torch.compile
+    assert len(names) == 9 + 11  # Triton: 9 cases; PyTorch: those and 2 under torch.compile
