@@ -168,8 +168,9 @@ def linear_cross_entropy(
     ``ignore_index`` gives a NaN loss and lse for that token (no out-of-bounds read), and NaN
     gradients as through the logits: its row of ``e``'s, all of ``c``'s and ``bias``'s. The
     gradient of ``c`` is this rank's slice; the gradient of ``e`` is the full gradient (summed
-    over the group in fp32, rounded once). Deterministic: no atomics; every sum is taken in a fixed order. No
-    second derivative: a backward with ``create_graph=True`` through the loss raises.
+    over the group in fp32, rounded once). Deterministic: no atomics; every sum is taken in a
+    fixed order. No second derivative: a backward with ``create_graph=True`` through the loss
+    raises.
     """
     return _linear_cross_entropy.loss(e, c, targets, bias, ignore_index, softcap, reduction,
                                       shift, return_lse, tp_group, sequence_parallel,
