@@ -97,6 +97,11 @@ def merge_stats(parts: torch.Tensor, v_part: int, ordered: bool = False):
     return m, s, t, d
 
 
+def out_of_range(target, vocab_size: int, ignore_index: int):
+    """The tokens whose target is neither ``ignore_index`` nor in ``[0, vocab_size)``."""
+    return (target != ignore_index) & ((target < 0) | (target >= vocab_size))
+
+
 def token_loss(target, m, s, x_t, d, vocab_size: int, ignore_index: int, smoothing: float,
                z_loss: float):
     """Per-token loss (0 for ``ignore_index``, NaN for any other target outside
@@ -110,7 +115,7 @@ def token_loss(target, m, s, x_t, d, vocab_size: int, ignore_index: int, smoothi
     if z_loss != 0:
         loss = loss + z_loss * lse * lse
     ignored = target == ignore_index
-    bad = ~ignored & ((target < 0) | (target >= vocab_size))
+    bad = out_of_range(target, vocab_size, ignore_index)
     loss = torch.where(bad, torch.full_like(loss, float("nan")), loss)
     loss = torch.where(ignored, torch.zeros_like(loss), loss)
     return loss, lse, ignored, bad

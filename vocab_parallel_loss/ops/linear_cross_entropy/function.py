@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ... import backends, checks, communication, settings
-from ...formulas import merge_stats, relative_sums, token_loss
+from ...formulas import merge_stats, out_of_range, relative_sums, token_loss
 from ...reference.linear import TorchBackend
 from ...runtime import compiling, untraced
 from ..fused_linear import compiled_checks
@@ -325,7 +325,7 @@ def _forward_with_grads(ctx, e2, c, bias, t2, o: LinearLossOptions, v_global: in
     else:
         scale = one / valid.sum().clamp(min=1) if o.reduction == "mean" else one
     g = torch.where(valid, scale, torch.zeros((), dtype=f32, device=dev))
-    g = _nan_unless(~(valid & ((t2 < 0) | (t2 >= v_global))), g)  # the NaN lse's gradient
+    g = _nan_unless(~out_of_range(t2, v_global, o.ignore_index), g)  # the NaN lse's gradient
     row_stats = torch.empty((4, n), dtype=f32, device=dev)
     de = torch.empty((n, h), dtype=f32, device=dev) if need_de else None
     dc = (torch.zeros if n == 0 else torch.empty)((v, h), dtype=f32, device=dev) if need_dc else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ... import backends, communication
-from ...formulas import logprob_and_entropy, lse_low, merge_logprob_stats
+from ...formulas import logprob_and_entropy, lse_low, merge_logprob_stats, out_of_range
 from ...layout import RowView, like_rows, row_view
 from ...reference import logprobs as torch_rows
 from ...runtime import compiling, untraced
@@ -65,7 +65,7 @@ def finish(stats, t, o: LogprobOptions, bad_t=None):
         nan = torch.full((), float("nan"), dtype=lse.dtype, device=lse.device)
         logp, ent, lse = (torch.where(agree, x, nan) for x in (logp, ent, lse))
     ignored = t == o.ignore_index
-    bad = ~ignored & ((t < 0) | (t >= vocab))
+    bad = out_of_range(t, vocab, o.ignore_index)
     nan = torch.full((), float("nan"), dtype=logp.dtype, device=logp.device)
     bad_ent = None
     if bad_t is not None:  # no distribution at this temperature: NaN, whatever the target
