@@ -96,12 +96,13 @@ def _vocab_range(vocab_range) -> tuple:
         start, stop = vocab_range
     except (TypeError, ValueError):
         raise TypeError(f"vocab_range must be a pair (start, stop), got {vocab_range!r}") from None
+    wrong = TypeError(f"vocab_range must hold two ints, got {vocab_range!r}")
+    if isinstance(start, bool) or isinstance(stop, bool):
+        raise wrong
     try:
-        if isinstance(start, bool) or isinstance(stop, bool):
-            raise TypeError
         return operator.index(start), operator.index(stop)
     except TypeError:
-        raise TypeError(f"vocab_range must hold two ints, got {vocab_range!r}") from None
+        raise wrong from None
 
 
 def inverse_temperature(temperature, target, like):
